@@ -1,0 +1,298 @@
+"""A recipe: JSON on disk -> schema-validated -> frozen dataclasses.
+
+JSON keys equal the dataclass field names, except where Python forbids the name: ``"$schema"`` is
+``Recipe.schema`` and ``batch.global`` is ``Batch.global_`` (each field's ``metadata["json"]`` says so).
+No other shape is accepted: :func:`read_recipe` rejects unknown keys (with a "did you mean"), wrong types
+and out-of-range values, all at once. Cross-field rules live in :mod:`plugin.checks`.
+
+Pure: no torch, no deepspeed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+from .errors import Problem, RecipeError
+
+
+def _json(key: str) -> dict:
+    return {"json": key}
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    data: Union[int, str] = "auto"
+    tensor: int = 1
+    pipeline: int = 1
+
+
+@dataclass(frozen=True)
+class Zero:
+    stage: int = 0
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    nvme_path: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    sequence_parallel: bool = False
+    plan: Union[str, Mapping[str, str]] = "auto"
+
+
+@dataclass(frozen=True)
+class PipelineParallel:
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    partition: str = "parameters"
+    activation_checkpoint_interval: int = 0
+
+
+@dataclass(frozen=True)
+class Batch:
+    global_: Optional[int] = field(default=None, metadata=_json("global"))
+    micro: Optional[int] = None
+    grad_accum: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class LossScale:
+    loss_scale: float = 0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    name: str = "adamw"
+    lr: float = 0.001
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-08
+    momentum: float = 0.0
+
+
+@dataclass(frozen=True)
+class Model:
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int
+    kv_heads: Optional[int] = None
+    ffn_hidden: Optional[int] = None
+    dropout: float = 0.0
+
+    @property
+    def kv_heads_resolved(self) -> int:
+        return self.kv_heads if self.kv_heads is not None else self.heads
+
+    @property
+    def ffn_hidden_resolved(self) -> int:
+        return self.ffn_hidden if self.ffn_hidden is not None else 4 * self.hidden
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_gb: float = 80
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    batch: Batch
+    description: str = ""
+    parallelism: Parallelism = Parallelism()
+    zero: Zero = Zero()
+    tensor_parallel: TensorParallel = TensorParallel()
+    pipeline_parallel: PipelineParallel = PipelineParallel()
+    precision: str = "fp32"
+    fp16: Optional[LossScale] = None
+    optimizer: Optimizer = Optimizer()
+    gradient_clipping: float = 1.0
+    model: Optional[Model] = None
+    cluster: Optional[Cluster] = None
+    launcher: str = "auto"
+    deepspeed: Optional[Mapping[str, Any]] = None
+    schema: Optional[str] = field(default=None, metadata=_json("$schema"))
+    # Where the recipe was read from; not part of the JSON.
+    source: str = field(default="", compare=False, repr=False, metadata={"json": None})
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "") -> "Recipe":
+        """Build from a dict that already passed the schema (see :func:`read_recipe`)."""
+        recipe = _build(cls, data)
+        return dataclasses.replace(recipe, source=source) if source else recipe
+
+    def to_dict(self) -> dict:
+        """The JSON form: every field under its JSON key, ``None`` fields left out."""
+        return _unbuild(self)
+
+    def layout(self, world_size: Optional[int] = None):
+        """The resolved sizes (:class:`plugin.layout.Layout`); raises :class:`RecipeError` if they do not fit."""
+        from .layout import resolve_layout
+
+        layout, problems = resolve_layout(self, world_size)
+        if layout is None:
+            raise RecipeError([p.with_file(self.source) for p in problems])
+        return layout
+
+    @property
+    def file_stem(self) -> str:
+        return Path(self.source).stem if self.source else ""
+
+
+# ---------------------------------------------------------------- dict <-> dataclass
+def json_key(f: dataclasses.Field) -> Optional[str]:
+    return f.metadata.get("json", f.name)
+
+
+def _target_class(annotation) -> Optional[type]:
+    """The dataclass inside ``Optional[X]`` / ``X``, if any."""
+    candidates = typing.get_args(annotation) or (annotation,)
+    for c in candidates:
+        if dataclasses.is_dataclass(c):
+            return c
+    return None
+
+
+def _freeze(value):
+    if isinstance(value, dict):
+        return types.MappingProxyType({k: _freeze(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value):
+    if isinstance(value, Mapping):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_thaw(v) for v in value]
+    return value
+
+
+def _build(cls, data: Mapping[str, Any]):
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        key = json_key(f)
+        if key is None or key not in data:
+            continue
+        value = data[key]
+        sub = _target_class(hints[f.name])
+        kwargs[f.name] = _build(sub, value) if sub is not None and isinstance(value, Mapping) else _freeze(value)
+    return cls(**kwargs)
+
+
+def _unbuild(obj) -> dict:
+    out = {}
+    for f in dataclasses.fields(obj):
+        key = json_key(f)
+        value = getattr(obj, f.name)
+        if key is None or value is None:
+            continue
+        out[key] = _unbuild(value) if dataclasses.is_dataclass(value) else _thaw(value)
+    return out
+
+
+# ---------------------------------------------------------------- finding and reading recipes
+def shipped_recipes() -> list[Path]:
+    """The recipes that come with the plugin, sorted by name."""
+    from ._paths import recipes_dir
+
+    return sorted(recipes_dir().glob("*.json"))
+
+
+def find_recipe(ref: Union[str, Path]) -> Path:
+    """A recipe file from a path, or from a shipped recipe's name (``tp2_dp4`` or ``tp2_dp4.json``)."""
+    path = Path(ref)
+    if path.is_file():
+        return path
+    if path.parent == Path(".") or str(path.parent) == "":
+        name = path.name if path.suffix == ".json" else path.name + ".json"
+        shipped = {p.name: p for p in shipped_recipes()}
+        if name in shipped:
+            return shipped[name]
+        import difflib
+
+        close = difflib.get_close_matches(name, list(shipped), n=3)
+        hint = f"did you mean {', '.join(c[:-5] for c in close)}?" if close else \
+            f"give a path, or one of the shipped recipes: {', '.join(n[:-5] for n in sorted(shipped))}"
+        raise RecipeError([Problem("$", f"no recipe file {str(ref)!r} and no shipped recipe of that name", hint,
+                                   file=str(ref))])
+    raise RecipeError([Problem("$", f"recipe file {str(ref)!r} does not exist", "check the path", file=str(ref))])
+
+
+def parse_json(text: str, file: str = "") -> tuple[Any, list[Problem]]:
+    """JSON text -> value; a syntax error or a repeated key becomes a problem naming line and column."""
+    repeated: list[str] = []
+
+    def pairs(items):
+        seen = {}
+        for k, v in items:
+            if k in seen:
+                repeated.append(k)
+            seen[k] = v
+        return seen
+
+    try:
+        value = json.loads(text, object_pairs_hook=pairs)
+    except json.JSONDecodeError as e:
+        return None, [Problem("$", f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}",
+                              "fix the JSON syntax there (a trailing comma, a missing comma or an unquoted key "
+                              "are the usual causes)", file=file)]
+    problems = [Problem("$", f"key {k!r} appears more than once (JSON keeps only the last)",
+                        "keep one of them", file=file) for k in repeated]
+    return value, problems
+
+
+def read_recipe(ref: Union[str, Path]) -> Recipe:
+    """Read, parse and schema-validate a recipe; raise :class:`RecipeError` with every problem found.
+
+    Cross-field rules (world size, batch triple, divisibility...) are :func:`plugin.checks.check_recipe`'s.
+    """
+    recipe, problems = read_recipe_problems(ref)
+    if recipe is None:
+        raise RecipeError(problems)
+    return recipe
+
+
+def read_recipe_problems(ref: Union[str, Path]) -> tuple[Optional[Recipe], list[Problem]]:
+    """Like :func:`read_recipe` but returns ``(recipe or None, problems)`` instead of raising."""
+    try:
+        path = find_recipe(ref)
+    except RecipeError as e:
+        return None, list(e.problems)
+    file = str(ref) if Path(ref).is_file() else str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        return None, [Problem("$", f"cannot read the file: {e}", "check the path and its permissions", file=file)]
+    return recipe_from_text(text, file)
+
+
+def recipe_from_text(text: str, file: str = "") -> tuple[Optional[Recipe], list[Problem]]:
+    data, problems = parse_json(text, file)
+    if data is None:
+        return None, problems
+    return recipe_from_data(data, file, problems)
+
+
+def recipe_from_data(data: Any, file: str = "", problems: Optional[list] = None) -> tuple[Optional[Recipe], list[Problem]]:
+    """A dict -> (Recipe, problems) after the schema; ``None`` when the schema rejects it."""
+    from .schema import schema_problems
+
+    problems = list(problems or []) + [p.with_file(file) for p in schema_problems(data)]
+    if any(p.is_error for p in problems):
+        return None, problems
+    return Recipe.from_dict(data, source=file), problems

@@ -1,0 +1,135 @@
+"""JSON Schema validation of a recipe, with each error turned into a :class:`Problem` that says what to change.
+
+Draft 2020-12, with an empty reference registry: a ``$ref`` that leaves the schema file is an error,
+never a network fetch.
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+from typing import Any, Iterable
+
+from .errors import Problem
+
+
+@functools.lru_cache(maxsize=1)
+def load_schema() -> dict:
+    from ._paths import schema_path
+
+    with open(schema_path(), encoding="utf-8") as f:
+        return json.load(f)
+
+
+@functools.lru_cache(maxsize=1)
+def _validator():
+    import jsonschema
+    from referencing import Registry
+
+    schema = load_schema()
+    cls = jsonschema.Draft202012Validator
+    # An empty registry that retrieves nothing: references resolve inside this schema file only.
+    return cls(schema, registry=Registry(), format_checker=cls.FORMAT_CHECKER)
+
+
+def json_path(parts: Iterable[Any]) -> str:
+    out = "$"
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif isinstance(p, str) and p.replace("_", "").isalnum():
+            out += f".{p}"
+        else:
+            out += f"[{json.dumps(p)}]"
+    return out
+
+
+def _did_you_mean(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    if not close:
+        close = [c for c in choices if str(c).lower() == str(word).lower()]
+    return f"did you mean {json.dumps(close[0])}?" if close else ""
+
+
+def _describe(schema: dict) -> str:
+    """Words for what a (sub)schema accepts."""
+    if "const" in schema:
+        return json.dumps(schema["const"])
+    if "enum" in schema:
+        return "one of " + ", ".join(json.dumps(v) for v in schema["enum"])
+    kind = schema.get("type", "value")
+    words = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
+             "object": "an object", "array": "an array"}.get(kind, f"a {kind}")
+    bounds = []
+    if "minimum" in schema:
+        bounds.append(f">= {schema['minimum']}")
+    if "exclusiveMinimum" in schema:
+        bounds.append(f"> {schema['exclusiveMinimum']}")
+    if "maximum" in schema:
+        bounds.append(f"<= {schema['maximum']}")
+    if "exclusiveMaximum" in schema:
+        bounds.append(f"< {schema['exclusiveMaximum']}")
+    return words + (" " + " and ".join(bounds) if bounds else "")
+
+
+def _problem(error) -> list[Problem]:
+    path = json_path(error.absolute_path)
+    v, schema, inst = error.validator, error.schema, error.instance
+    shown = json.dumps(inst) if not isinstance(inst, (dict, list)) else type(inst).__name__
+    if v == "additionalProperties":
+        allowed = list(schema.get("properties", {}))
+        out = []
+        for key in inst:
+            if key in allowed:
+                continue
+            hint = _did_you_mean(key, allowed) or ("allowed keys: " + ", ".join(allowed) if allowed else "remove it")
+            out.append(Problem(json_path(list(error.absolute_path) + [key]), f"unknown key {json.dumps(key)}", hint))
+        return out
+    if v == "required":
+        missing = [k for k in error.validator_value if k not in inst]
+        return [Problem(json_path(list(error.absolute_path) + [k]), f"{json.dumps(k)} is required",
+                        f"add it: {(schema.get('properties', {}).get(k, {}).get('description') or '').rstrip('.')}")
+                for k in missing]
+    if v == "enum":
+        hint = _did_you_mean(inst, error.validator_value) if isinstance(inst, str) else ""
+        return [Problem(path, f"{shown} is not allowed",
+                        (hint + " " if hint else "") + "use " + _describe(schema))]
+    if v in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "type", "const"):
+        return [Problem(path, f"{shown} is not {_describe(schema)}", f"use {_describe(schema)}")]
+    if v in ("anyOf", "oneOf"):
+        alts = " or ".join(_describe(s) for s in error.validator_value)
+        hint = ""
+        if isinstance(inst, str):
+            consts = [s["const"] for s in error.validator_value if "const" in s]
+            hint = _did_you_mean(inst, consts)
+        if isinstance(inst, dict):  # an object alternative failed inside: report its own errors
+            subs = [e for e in error.context if e.validator != "const" and e.validator != "type"]
+            if subs:
+                return [q for e in subs for q in _problem(e)]
+        return [Problem(path, f"{shown} is not {alts}", (hint + " " if hint else "") + f"use {alts}")]
+    if v == "minProperties":
+        return [Problem(path, "is empty", f"give at least {error.validator_value} key(s): "
+                        + ", ".join(schema.get("properties", {})) if schema.get("properties") else "add an entry")]
+    if v in ("minItems", "maxItems"):
+        return [Problem(path, f"has {len(inst)} items", f"give exactly {schema.get('minItems')} numbers"
+                        if schema.get("minItems") == schema.get("maxItems") else error.message)]
+    if v == "pattern":
+        return [Problem(path, f"{shown} does not have the expected form",
+                        (schema.get("description") or f"match {error.validator_value}"))]
+    if v == "minLength":
+        return [Problem(path, "is empty", "give a non-empty string")]
+    return [Problem(path, error.message, schema.get("description", "see schemas/recipe.schema.json"))]
+
+
+def schema_problems(data: Any) -> list[Problem]:
+    """Every schema violation in ``data`` as problems, in document order."""
+    if not isinstance(data, dict):
+        return [Problem("$", f"a recipe is a JSON object, not {type(data).__name__}",
+                        'start from a shipped recipe: python -m plugin show cpu_single')]
+    errors = sorted(_validator().iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path])
+    out: list[Problem] = []
+    for e in errors:
+        for p in _problem(e):
+            if p not in out:
+                out.append(p)
+    return out
