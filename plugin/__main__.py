@@ -1,0 +1,39 @@
+"""``python -m plugin``: validate, show, export, import, estimate, plan.
+
+Each command is a module in :mod:`plugin.cli` with ``register(subparsers)`` and ``run(args) -> int``.
+None of them imports torch, deepspeed or accelerate: they answer in milliseconds.
+Exit codes: 0 fine (warnings on stderr), 1 usage error, 2 invalid recipe.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = ["validate", "show", "export", "import_", "estimate", "plan"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m plugin",
+        description="Validate, inspect, convert and plan parallel-training recipes.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMANDS:
+        module = importlib.import_module(f"plugin.cli.{name}")
+        module.register(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits 2 on usage errors; 2 means "invalid recipe" here
+        return 0 if e.code == 0 else 1
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
