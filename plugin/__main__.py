@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ["validate", "show", "export", "import_", "estimate", "plan"]
+COMMANDS = ["validate", "show", "export", "import_"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -225,9 +225,10 @@ def find_recipe(ref: Union[str, Path]) -> Path:
             return shipped[name]
         import difflib
 
-        close = difflib.get_close_matches(name, list(shipped), n=3)
-        hint = f"did you mean {', '.join(c[:-5] for c in close)}?" if close else \
-            f"give a path, or one of the shipped recipes: {', '.join(n[:-5] for n in sorted(shipped))}"
+        stems = sorted(n[:-5] for n in shipped)
+        close = difflib.get_close_matches(name[:-5], stems, n=3, cutoff=0.7)
+        hint = f"did you mean {' or '.join(close)}?" if close else \
+            f"give a path, or one of the shipped recipes: {', '.join(stems)}"
         raise RecipeError([Problem("$", f"no recipe file {str(ref)!r} and no shipped recipe of that name", hint,
                                    file=str(ref))])
     raise RecipeError([Problem("$", f"recipe file {str(ref)!r} does not exist", "check the path", file=str(ref))])

@@ -1,0 +1,243 @@
+"""Cross-field rules the schema cannot say, all reported at once, each with its JSON path and a fix.
+
+Every rule an engine would assert minutes into a launch (world size, batch triple, ZeRO-2/3 with
+pipelines, divisibility by the tensor degree...) is a recipe-time error here. Each ``check_*`` function is
+one rule family: it receives the recipe and its resolved :class:`~plugin.layout.Layout` (``None`` when
+the sizes could not be resolved) and yields :class:`~plugin.errors.Problem` s. Pure: no torch.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+from .errors import WARNING, Problem, RecipeError
+from .layout import Layout, resolve_layout
+from .recipe import Recipe, read_recipe_problems
+
+Problems = Iterator[Problem]
+
+
+def check_zero(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+    z, pp = recipe.zero, recipe.parallelism.pipeline
+    if z.stage >= 2 and pp > 1:
+        yield Problem("$.zero.stage", f"ZeRO stage {z.stage} with pipeline {pp}: DeepSpeed refuses ZeRO-2/3 "
+                      "together with pipeline parallelism (gradients are accumulated across micro-batches)",
+                      'use "stage": 1 (or 0), or "pipeline": 1')
+    if z.offload_param != "none" and z.stage != 3:
+        yield Problem("$.zero.offload_param", f'offload_param "{z.offload_param}" needs ZeRO stage 3, '
+                      f"the recipe has stage {z.stage}", 'set "stage": 3, or "offload_param": "none"')
+    if z.offload_optimizer != "none" and z.stage < 1:
+        yield Problem("$.zero.offload_optimizer", f'offload_optimizer "{z.offload_optimizer}" needs ZeRO '
+                      "stage >= 1, the recipe has stage 0", 'set "stage": 1 or higher, or "offload_optimizer": "none"')
+    if "nvme" in (z.offload_param, z.offload_optimizer) and not z.nvme_path:
+        yield Problem("$.zero.nvme_path", "nvme offload needs nvme_path", 'add "nvme_path": "/local_nvme" '
+                      "(a directory on a local NVMe drive)")
+
+
+def check_batch_and_world(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+    """Problems from resolving the sizes are reported by :func:`check_recipe`; these need a layout."""
+    if layout is None:
+        return
+    pp = layout.pipeline
+    if pp > 1 and layout.micro_batches < pp:
+        good = layout.micro_batch * pp * layout.data
+        yield Problem("$.batch", f"{layout.micro_batches} micro-batch(es) per step for {pp} pipeline stages: "
+                      "some stages would idle the whole step",
+                      f'give at least {pp} micro-batches: "grad_accum": {pp} (global {good} at micro '
+                      f"{layout.micro_batch})")
+    if pp > 1:
+        v = recipe.pipeline_parallel.virtual_stages
+        bubble = (pp - 1) / (v * layout.micro_batches)
+        if bubble > 0.25 and layout.micro_batches >= pp:
+            m_needed = math.ceil(4 * (pp - 1) / v)
+            yield Problem("$.batch.grad_accum", f"pipeline bubble (p-1)/(v*m) = ({pp}-1)/({v}*"
+                          f"{layout.micro_batches}) = {bubble:.2f}: stages idle {bubble:.0%} of the step",
+                          f"use >= {m_needed} micro-batches per step (bubble <= 0.25)", WARNING)
+
+
+def check_model_dims(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+    m, tp, pp = recipe.model, recipe.parallelism.tensor, recipe.parallelism.pipeline
+    if m is None:
+        return
+    if m.hidden % m.heads:
+        yield Problem("$.model.hidden", f"hidden {m.hidden} is not divisible by heads {m.heads}",
+                      f"use a hidden size that is a multiple of {m.heads}")
+    kv = m.kv_heads_resolved
+    if kv > m.heads or m.heads % kv:
+        yield Problem("$.model.kv_heads", f"kv_heads {kv} must divide heads {m.heads}",
+                      f"use one of {[d for d in range(1, m.heads + 1) if m.heads % d == 0]}")
+    for key, value in (("heads", m.heads), ("kv_heads", kv), ("hidden", m.hidden),
+                       ("ffn_hidden", m.ffn_hidden_resolved)):
+        if value % tp:
+            yield Problem(f"$.model.{key}", f"{key} {value} is not divisible by tensor {tp}: each tensor rank "
+                          f"must hold whole {'heads' if 'heads' in key else 'columns'}",
+                          f'use a tensor size that divides {value} ({_divisors(value, 8)}), or change {key}')
+    if tp > 1 and m.vocab % tp:
+        padded = -(-m.vocab // tp) * tp
+        yield Problem("$.model.vocab", f"vocab {m.vocab} is not divisible by tensor {tp}: the vocab-parallel "
+                      f"embedding pads it to {padded} ({padded - m.vocab} unused rows)",
+                      f"use a vocab of {padded} to make the padding explicit", WARNING)
+    if pp > m.layers:
+        yield Problem("$.parallelism.pipeline", f"pipeline {pp} > layers {m.layers}: some stages would hold no "
+                      "transformer block", f"use pipeline <= {m.layers}")
+    elif pp > 1 and recipe.pipeline_parallel.partition == "uniform" and m.layers % pp:
+        yield Problem("$.pipeline_parallel.partition", f'"uniform" partition of {m.layers} layers over {pp} '
+                      f"stages is uneven ({m.layers} % {pp} = {m.layers % pp})",
+                      f'use a pipeline size that divides {m.layers} ({_divisors(m.layers, 16)}), or '
+                      '"partition": "parameters"')
+    sp = recipe.tensor_parallel.sequence_parallel
+    if sp and m.seq_len % tp:
+        yield Problem("$.model.seq_len", f"sequence_parallel splits the sequence over tensor {tp}, but seq_len "
+                      f"{m.seq_len} is not divisible by {tp}", f"use a seq_len that is a multiple of {tp}")
+    v = recipe.pipeline_parallel.virtual_stages
+    if recipe.pipeline_parallel.schedule == "interleaved_1f1b" and v >= 2 and m.layers % (pp * v):
+        yield Problem("$.pipeline_parallel.virtual_stages", f"interleaved 1F1B cuts {m.layers} layers into "
+                      f"pipeline {pp} x virtual_stages {v} = {pp * v} chunks, which does not divide them",
+                      f"use virtual_stages with {m.layers} % ({pp} x virtual_stages) == 0 "
+                      f"({[d // pp for d in range(pp, m.layers + 1, pp) if m.layers % d == 0 and d // pp >= 2]})")
+
+
+def check_tensor_parallel(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+    tp = recipe.parallelism.tensor
+    if recipe.tensor_parallel.sequence_parallel and tp == 1:
+        yield Problem("$.tensor_parallel.sequence_parallel", "sequence_parallel needs tensor > 1 (it splits the "
+                      "sequence over the tensor group)", 'set "tensor": 2 or more, or "sequence_parallel": false')
+    if tp == 1 and recipe.tensor_parallel.plan != "auto":
+        yield Problem("$.tensor_parallel.plan", "a tensor-parallel plan with tensor 1 is ignored",
+                      'set "tensor" > 1, or drop the plan', WARNING)
+
+
+def check_pipeline(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+    pp_cfg, pp = recipe.pipeline_parallel, recipe.parallelism.pipeline
+    if pp_cfg.schedule == "interleaved_1f1b":
+        if pp_cfg.virtual_stages < 2:
+            yield Problem("$.pipeline_parallel.virtual_stages", f"interleaved_1f1b needs virtual_stages >= 2, "
+                          f"got {pp_cfg.virtual_stages}", 'set "virtual_stages": 2 (model chunks per rank)')
+        if pp == 1:
+            yield Problem("$.pipeline_parallel.schedule", "interleaved_1f1b with pipeline 1 has nothing to "
+                          "interleave", 'set "pipeline" > 1, or "schedule": "1f1b"')
+    elif pp_cfg.virtual_stages > 1:
+        yield Problem("$.pipeline_parallel.virtual_stages", f"virtual_stages {pp_cfg.virtual_stages} only means "
+                      f'something with "schedule": "interleaved_1f1b", the recipe has "{pp_cfg.schedule}"',
+                      'set "schedule": "interleaved_1f1b", or "virtual_stages": 1')
+    if pp > 1 and recipe.launcher == "deepspeed" and pp_cfg.schedule != "1f1b":
+        yield Problem("$.pipeline_parallel.schedule", f'DeepSpeed\'s PipelineEngine runs 1F1B only, the recipe '
+                      f'asks for "{pp_cfg.schedule}" with "launcher": "deepspeed"',
+                      'use "schedule": "1f1b", or "launcher": "auto"/"torchrun"/"accelerate" (native back end, '
+                      "torch.distributed.pipelining)")
+    if pp > 1 and pp_cfg.partition.startswith("type:"):
+        import re
+
+        try:
+            re.compile(pp_cfg.partition[5:])
+        except re.error as e:
+            yield Problem("$.pipeline_parallel.partition", f"invalid regular expression after type: ({e})",
+                          'write "type:" followed by a Python regex matching layer class names, e.g. "type:Block"')
+
+
+def check_native_back_end(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+    """Offload limits of the native back end, when the recipe chooses it explicitly."""
+    if recipe.launcher not in ("accelerate", "torchrun"):
+        return
+    z = recipe.zero
+    if "nvme" in (z.offload_param, z.offload_optimizer):
+        yield Problem("$.zero", f'nvme offload is DeepSpeed\'s (ZeRO-Infinity); "launcher": "{recipe.launcher}" '
+                      "runs the native back end, which offloads to CPU only",
+                      'use "cpu" offload, or "launcher": "deepspeed"')
+    elif z.offload_optimizer != "none" and z.stage < 2:
+        yield Problem("$.zero.offload_optimizer", f"the native back end offloads through FSDP2 (ZeRO stage 2/3); "
+                      f"stage {z.stage} runs DDP/ZeroRedundancyOptimizer, which cannot offload",
+                      'set "stage": 2 or 3, or "launcher": "deepspeed"')
+
+
+def check_precision_and_optimizer(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+    if recipe.fp16 is not None and recipe.precision != "fp16":
+        yield Problem("$.fp16", f'a loss-scale block with precision "{recipe.precision}" is ignored',
+                      'set "precision": "fp16", or drop the fp16 block', WARNING)
+    opt = recipe.optimizer
+    if opt.name == "sgd" and (opt.betas != (0.9, 0.999) or opt.eps != 1e-08):
+        yield Problem("$.optimizer", "betas and eps are Adam's; sgd ignores them", "drop them", WARNING)
+    if opt.name != "sgd" and opt.momentum:
+        yield Problem("$.optimizer.momentum", f"momentum is SGD's; {opt.name} ignores it",
+                      "drop it, or use betas[0] for Adam's momentum", WARNING)
+
+
+def check_cluster(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+    c = recipe.cluster
+    if c is None:
+        return
+    tp = recipe.parallelism.tensor
+    if tp > c.gpus_per_node:
+        yield Problem("$.parallelism.tensor", f"tensor {tp} > gpus_per_node {c.gpus_per_node}: every tensor "
+                      "group would cross nodes (2 all-reduces per block over the inter-node network)",
+                      f"keep tensor <= {c.gpus_per_node}; use pipeline or data parallelism across nodes", WARNING)
+    elif c.gpus_per_node % tp:
+        yield Problem("$.parallelism.tensor", f"tensor {tp} does not divide gpus_per_node {c.gpus_per_node}: "
+                      "some tensor groups would straddle two nodes",
+                      f"use a tensor size that divides {c.gpus_per_node}", WARNING)
+    if layout is None:
+        return
+    capacity = c.nodes * c.gpus_per_node
+    if layout.world_size > capacity:
+        yield Problem("$.cluster", f"the recipe needs {layout.world_size} processes, the cluster has "
+                      f"{c.nodes} x {c.gpus_per_node} = {capacity}",
+                      f"use nodes >= {-(-layout.world_size // c.gpus_per_node)}, or a smaller layout")
+    elif layout.world_size < capacity:
+        fill = (f"launch {capacity} processes to fill them" if recipe.parallelism.data == "auto"
+                else 'use "data": "auto" to fill them')
+        yield Problem("$.cluster", f"the recipe uses {layout.world_size} of the cluster's {capacity} GPUs",
+                      f"{fill}, or describe the cluster you run on", WARNING)
+
+
+def check_name(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+    stem = recipe.file_stem
+    if stem and stem != recipe.name:
+        yield Problem("$.name", f'name "{recipe.name}" differs from the file name "{Path(recipe.source).name}"',
+                      f'rename the file to {recipe.name}.json, or set "name": "{stem}"', WARNING)
+
+
+def check_deepspeed_block(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+    if recipe.deepspeed is None:
+        return
+    from .ds_config import deepspeed_block_problems
+
+    yield from deepspeed_block_problems(recipe, layout)
+
+
+RULES = (check_zero, check_batch_and_world, check_model_dims, check_tensor_parallel, check_pipeline,
+         check_native_back_end, check_precision_and_optimizer, check_cluster, check_name, check_deepspeed_block)
+
+
+def check_recipe(recipe: Recipe, world_size: Optional[int] = None) -> list[Problem]:
+    """Every cross-field problem of ``recipe`` at ``world_size`` (the launcher's process count, if known)."""
+    layout, problems = resolve_layout(recipe, world_size)
+    if layout is None and recipe.parallelism.data == "auto" and world_size is None:
+        problems = []  # "auto" is fine until a world size is known
+    for rule in RULES:
+        problems.extend(rule(recipe, layout))
+    return [p.with_file(recipe.source) for p in problems]
+
+
+def validate(ref: Union[str, Path], world_size: Optional[int] = None) -> tuple[Optional[Recipe], list[Problem]]:
+    """Read, schema-check and cross-check a recipe: ``(recipe or None, every problem)``.
+
+    The recipe is ``None`` when any error was found; warnings come with a recipe.
+    """
+    recipe, problems = read_recipe_problems(ref)
+    if recipe is None:
+        return None, problems
+    problems = problems + check_recipe(recipe, world_size)
+    return (None if any(p.is_error for p in problems) else recipe), problems
+
+
+def load_recipe(ref: Union[str, Path], world_size: Optional[int] = None) -> Recipe:
+    """A valid recipe, or :class:`RecipeError` listing every error (warnings are dropped; see :func:`validate`)."""
+    recipe, problems = validate(ref, world_size)
+    if recipe is None:
+        raise RecipeError(problems)
+    return recipe
+
+
+def _divisors(n: int, limit: int) -> str:
+    return ", ".join(str(d) for d in range(1, min(n, limit) + 1) if n % d == 0)

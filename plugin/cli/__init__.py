@@ -1,0 +1,1 @@
+"""The commands of ``python -m plugin``, one module each (``register(subparsers)``, ``run(args) -> int``)."""

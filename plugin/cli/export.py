@@ -1,0 +1,38 @@
+"""``export RECIPE --to deepspeed|accelerate [--world-size N] [--cpu] [-o FILE]``."""
+from __future__ import annotations
+
+import json
+import sys
+
+from .common import EXIT_INVALID, EXIT_OK, add_world_size, load_or_report
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export", help="write the DeepSpeed config (JSON) or Accelerate config (YAML) of a recipe",
+                       description="Export a recipe as a ds_config DeepSpeed accepts verbatim, or as an "
+                                   "`accelerate launch --config_file` YAML.")
+    p.add_argument("recipe", metavar="RECIPE")
+    p.add_argument("--to", required=True, choices=["deepspeed", "accelerate"])
+    add_world_size(p)
+    p.add_argument("--cpu", action="store_true", help="accelerate only: a CPU (MULTI_CPU, gloo) config")
+    p.add_argument("-o", "--output", metavar="FILE", help="write there instead of stdout")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from ..ds_config import to_accelerate_config, to_ds_config
+
+    recipe = load_or_report(args.recipe, args.world_size)
+    if recipe is None:
+        return EXIT_INVALID
+    if args.to == "deepspeed":
+        text = json.dumps(to_ds_config(recipe, args.world_size), indent=2) + "\n"
+    else:
+        text = to_accelerate_config(recipe, args.world_size, cpu=args.cpu)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK

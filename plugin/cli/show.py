@@ -1,0 +1,97 @@
+"""``show RECIPE [--world-size N]``: the resolved sizes and the rank map (rich tables)."""
+from __future__ import annotations
+
+import os
+
+from .common import EXIT_INVALID, EXIT_OK, add_world_size, dump_json, load_or_report
+
+
+def register(sub) -> None:
+    p = sub.add_parser("show", help="resolved sizes and every rank's coordinates and peers",
+                       description="Show what a recipe resolves to: data size, batch triple, world size, and "
+                                   "each rank's (pipeline, data, tensor) coordinates and peers, by node.")
+    p.add_argument("recipe", metavar="RECIPE")
+    add_world_size(p)
+    p.add_argument("--json", action="store_true", help="the same as JSON")
+    p.set_defaults(run=run)
+
+
+def rank_rows(topology, gpus_per_node=None) -> list[dict]:
+    rows = []
+    for rank in range(topology.world_size):
+        c = topology.coord(rank)
+        rows.append({
+            "rank": rank,
+            "node": topology.node_of(rank, gpus_per_node) if gpus_per_node else None,
+            "local_rank": rank % gpus_per_node if gpus_per_node else None,
+            "pipeline": c.pp, "data": c.dp, "tensor": c.tp,
+            "tensor_peers": topology.group_of(rank, "tensor"),
+            "data_peers": topology.group_of(rank, "data"),
+            "pipeline_peers": topology.group_of(rank, "pipeline"),
+        })
+    return rows
+
+
+def run(args) -> int:
+    from ..topology import Topology
+
+    recipe = load_or_report(args.recipe, args.world_size)
+    if recipe is None:
+        return EXIT_INVALID
+    if recipe.parallelism.data == "auto" and args.world_size is None:
+        from .common import print_problems
+        from ..errors import Problem
+
+        print_problems([Problem("$.parallelism.data", '"auto" needs a world size to show the rank map',
+                                "pass --world-size N", file=recipe.source)])
+        return EXIT_INVALID
+    layout = recipe.layout(args.world_size)
+    topology = Topology(layout.pipeline, layout.data, layout.tensor)
+    gpn = recipe.cluster.gpus_per_node if recipe.cluster else None
+    rows = rank_rows(topology, gpn)
+    resolved = {
+        "name": recipe.name, "file": recipe.source, "description": recipe.description,
+        "data": layout.data, "tensor": layout.tensor, "pipeline": layout.pipeline, "world_size": layout.world_size,
+        "global_batch": layout.global_batch, "micro_batch": layout.micro_batch, "grad_accum": layout.grad_accum,
+        "zero_stage": recipe.zero.stage, "offload_optimizer": recipe.zero.offload_optimizer,
+        "offload_param": recipe.zero.offload_param, "precision": recipe.precision,
+        "sequence_parallel": recipe.tensor_parallel.sequence_parallel,
+        "schedule": recipe.pipeline_parallel.schedule if layout.pipeline > 1 else None,
+        "launcher": recipe.launcher,
+    }
+    if args.json:
+        dump_json({"resolved": resolved, "ranks": rows})
+        return EXIT_OK
+    _render(resolved, rows, gpn)
+    return EXIT_OK
+
+
+def _peers(ranks) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+def _render(resolved: dict, rows: list[dict], gpus_per_node) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(100, int(os.environ.get("COLUMNS", 0) or 0)))
+    summary = Table(title=f"recipe {resolved['name']}", show_header=False, title_justify="left")
+    summary.add_column("field", style="bold")
+    summary.add_column("value")
+    for key, value in resolved.items():
+        if value is not None and value != "":
+            summary.add_row(key, str(value))
+    console.print(summary)
+    table = Table(title="rank map: rank = (pp x data_size + dp) x tensor_size + tp (tensor fastest, then data, then pipeline)",
+                  title_justify="left")
+    columns = (["node", "local"] if gpus_per_node else []) + ["rank", "pipeline", "data", "tensor",
+                                                              "tensor peers", "data peers", "pipeline peers"]
+    for c in columns:
+        table.add_column(c, justify="right" if c in ("node", "local", "rank", "pipeline", "data", "tensor") else "left")
+    for i, r in enumerate(rows):
+        cells = ([str(r["node"]), str(r["local_rank"])] if gpus_per_node else []) + [
+            str(r["rank"]), str(r["pipeline"]), str(r["data"]), str(r["tensor"]),
+            _peers(r["tensor_peers"]), _peers(r["data_peers"]), _peers(r["pipeline_peers"])]
+        last_of_node = gpus_per_node and (i + 1 == len(rows) or rows[i + 1]["node"] != r["node"])
+        table.add_row(*cells, end_section=bool(last_of_node))
+    console.print(table)

@@ -1,0 +1,135 @@
+"""``python -m plugin``: exit codes, output shapes, and no torch/deepspeed/accelerate on these paths."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+INVALID = ROOT / "tests" / "data" / "invalid"
+
+
+def cli(*args, check_imports=True):
+    cmd = [sys.executable] + (["-X", "importtime"] if check_imports else []) + ["-m", "plugin", *map(str, args)]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         env={**os.environ, "COLUMNS": "160"})
+    if check_imports:
+        heavy = [line for line in out.stderr.splitlines() if line.startswith("import time:")
+                 and line.split("|")[-1].strip() in ("torch", "deepspeed", "accelerate")]
+        assert not heavy, f"{args[0]} imported {heavy}"
+        out.stderr = "\n".join(line for line in out.stderr.splitlines() if not line.startswith("import time:"))
+    return out
+
+
+def test_validate_all_shipped_recipes():
+    names = [p.stem for p in (ROOT / "recipes").glob("*.json")]
+    out = cli("validate", *[n for n in names if n != "tp2_auto"])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("ok: ") == len(names) - 1
+    assert out.stderr == ""
+
+
+def test_validate_reports_all_problems_of_all_files_and_exits_2():
+    out = cli("validate", "cpu_dp4", INVALID / "zero3_with_pipeline.json", INVALID / "unknown_zero_key.json")
+    assert out.returncode == 2
+    assert "ok: cpu_dp4" in out.stdout
+    lines = out.stderr.splitlines()
+    assert any("zero3_with_pipeline.json: $.zero.stage: ZeRO stage 3 with pipeline 2" in l for l in lines)
+    assert any('unknown_zero_key.json: $.zero.stgae: unknown key "stgae" -> did you mean "stage"?' in l for l in lines)
+
+
+def test_many_errors_at_once(tmp_path):
+    bad = json.loads((ROOT / "recipes" / "cpu_tp2_dp2.json").read_text())
+    bad["name"] = "bad"
+    bad["parallelism"] = {"data": 2, "tensor": 2, "pipeline": 2}
+    bad["zero"] = {"stage": 3, "offload_param": "nvme"}
+    bad["batch"] = {"global": 30, "micro": 4}
+    bad["model"]["heads"] = 3
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    out = cli("validate", path, "--world-size", "8")
+    assert out.returncode == 2
+    paths = [l.split(": ")[1] for l in out.stderr.splitlines()]
+    assert {"$.zero.stage", "$.zero.nvme_path", "$.batch.global", "$.model.heads"} <= set(paths), out.stderr
+
+
+def test_world_size_flag_and_warnings_exit_0():
+    out = cli("validate", "tp2_auto", "--world-size", "6")
+    assert out.returncode == 0 and "warning:" in out.stderr and "data 3 x tensor 2" in out.stdout
+    out = cli("validate", "tp2_dp4", "--world-size", "16")
+    assert out.returncode == 2 and 'set "data": 8' in out.stderr
+
+
+def test_usage_errors_exit_1():
+    assert cli("validate").returncode == 1
+    assert cli("validate", "cpu_dp4", "--world-size", "zero").returncode == 1
+    assert cli("frobnicate").returncode == 1
+
+
+def test_validate_json():
+    out = cli("validate", "cpu_dp4", INVALID / "zero_stage_4.json", "--json")
+    assert out.returncode == 2
+    report = json.loads(out.stdout)
+    assert [r["valid"] for r in report] == [True, False]
+    assert report[1]["errors"][0]["path"] == "$.zero.stage"
+
+
+def test_show_json_rank_map():
+    out = cli("show", "tp2_pp2_dp2", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["resolved"]["world_size"] == 8 and data["resolved"]["grad_accum"] == 32
+    r5 = data["ranks"][5]
+    assert (r5["pipeline"], r5["data"], r5["tensor"], r5["node"]) == (1, 0, 1, 0)
+    assert r5["tensor_peers"] == [4, 5] and r5["data_peers"] == [5, 7] and r5["pipeline_peers"] == [1, 5]
+
+
+def test_show_table_groups_by_node(tmp_path):
+    recipe = json.loads((ROOT / "recipes" / "tp2_auto.json").read_text())
+    recipe["name"] = "two_nodes"
+    recipe["cluster"] = {"nodes": 2, "gpus_per_node": 4, "gpu_memory_gb": 80}
+    path = tmp_path / "two_nodes.json"
+    path.write_text(json.dumps(recipe))
+    out = cli("show", path, "--world-size", "8")
+    assert out.returncode == 0, out.stderr
+    assert "rank map" in out.stdout and "tensor peers" in out.stdout
+    rows = [l for l in out.stdout.splitlines() if l.startswith("│")]
+    nodes = [l.split("│")[1].strip() for l in rows if l.split("│")[1].strip().isdigit() and "rank" not in l]
+    assert nodes[-8:] == ["0"] * 4 + ["1"] * 4
+    assert any(set(l.strip()) <= set("├┼─┤") and l.strip() for l in out.stdout.splitlines()[-6:-3]), \
+        "a section line separates the nodes"
+    assert cli("show", "tp2_auto").returncode == 2, "auto needs a world size"
+
+
+def test_export_deepspeed_and_accelerate(tmp_path):
+    out = cli("export", "tp2_dp4", "--to", "deepspeed")
+    assert out.returncode == 0 and json.loads(out.stdout)["train_batch_size"] == 256
+    target = tmp_path / "acc.yaml"
+    out = cli("export", "cpu_dp4", "--to", "accelerate", "--cpu", "-o", target)
+    assert out.returncode == 0 and "distributed_type: \"MULTI_CPU\"" in target.read_text()
+    assert cli("export", INVALID / "zero_stage_4.json", "--to", "deepspeed").returncode == 2
+
+
+def test_import_round_trip(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(cli("export", "dp8_zero3_offload", "--to", "deepspeed").stdout)
+    recipe_path = tmp_path / "mine.json"
+    out = cli("import", ds, "--world-size", "8", "-o", recipe_path)
+    assert out.returncode == 0, out.stderr
+    again = cli("export", recipe_path, "--to", "deepspeed")
+    assert json.loads(again.stdout) == json.loads(ds.read_text())
+    assert json.loads(recipe_path.read_text())["name"] == "mine"
+
+
+def test_import_bad_json(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"train_batch_size": 8,,}')
+    out = cli("import", ds)
+    assert out.returncode == 2 and "line 1, column 24" in out.stderr
+
+
+def test_unknown_recipe_name_suggests_one():
+    out = cli("validate", "tp2dp4")
+    assert out.returncode == 2 and "did you mean tp2_dp4" in out.stderr

@@ -1,0 +1,33 @@
+"""Every invalid recipe under tests/data/invalid is rejected, at the JSON path its entry expects."""
+import json
+from pathlib import Path
+
+import pytest
+
+from plugin.checks import validate
+
+HERE = Path(__file__).resolve().parent.parent / "data" / "invalid"
+EXPECTED = json.loads((HERE / "expected.json").read_text())
+
+
+def test_there_are_at_least_forty():
+    files = sorted(p.name for p in HERE.glob("*.json") if p.name != "expected.json")
+    assert len(files) >= 40
+    assert sorted(EXPECTED) == files, "every invalid recipe has an expectation, and only those"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_rejected_at_expected_path(name):
+    entry = EXPECTED[name]
+    recipe, problems = validate(HERE / name, entry.get("world_size"))
+    errors = [p for p in problems if p.is_error]
+    assert recipe is None and errors, f"{name} was accepted"
+    paths = [p.path for p in errors]
+    assert entry["path"] in paths, f"{name}: expected an error at {entry['path']}, got {paths}"
+    text = "\n".join(p.format() for p in errors)
+    for p in errors:
+        assert p.file.endswith(name), "every problem names its file"
+        assert p.hint, f"{p.format()} says nothing about what to change"
+        assert p.format().startswith(f"{p.file}: {p.path}: ")
+    if "contains" in entry:
+        assert entry["contains"] in text, text

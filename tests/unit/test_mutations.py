@@ -1,0 +1,89 @@
+"""Hypothesis: mutated recipes never make the pure layers raise anything but the plugin's own error type."""
+import copy
+import json
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from plugin.checks import check_recipe
+from plugin.ds_config import to_accelerate_config, to_ds_config
+from plugin.errors import RecipeError
+from plugin.recipe import recipe_from_data, recipe_from_text, shipped_recipes
+from plugin.topology import Topology
+
+BASES = [json.loads(p.read_text()) for p in shipped_recipes()]
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 70000) | st.floats(allow_nan=False, allow_infinity=False, width=32)
+    | st.sampled_from(["auto", "none", "cpu", "nvme", "1f1b", "gpipe", "interleaved_1f1b", "uniform", "type:Block",
+                       "type:(", "column", "row", "vocab", "bf16", "fp16", "adam", "sgd", "deepspeed", ""])
+    | st.text(max_size=6),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3),
+    max_leaves=6,
+)
+
+
+def _paths(node, prefix=()):
+    yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, prefix + (k,))
+
+
+@st.composite
+def mutated(draw):
+    data = copy.deepcopy(draw(st.sampled_from(BASES)))
+    for _ in range(draw(st.integers(1, 4))):
+        paths = [p for p in _paths(data) if p]
+        path = draw(st.sampled_from(paths))
+        parent = data
+        for k in path[:-1]:
+            parent = parent[k]
+        action = draw(st.sampled_from(["set", "delete", "add"]))
+        if action == "delete":
+            parent.pop(path[-1], None)
+        elif action == "add":
+            parent[draw(st.text(min_size=1, max_size=8))] = draw(json_values)
+        else:
+            parent[path[-1]] = draw(json_values)
+        if not isinstance(data, dict):
+            break
+    return data
+
+
+def _exercise(recipe, world_size):
+    problems = check_recipe(recipe, world_size)
+    if any(p.is_error for p in problems):
+        return
+    try:
+        lay = recipe.layout(world_size)
+    except RecipeError:
+        return
+    Topology(lay.pipeline, lay.data, lay.tensor)
+    to_ds_config(recipe, world_size)
+    to_accelerate_config(recipe, world_size)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mutated(), st.one_of(st.none(), st.integers(1, 64)))
+def test_mutated_recipes_only_raise_recipe_errors(data, world_size):
+    try:
+        recipe, problems = recipe_from_data(data)
+        assert (recipe is None) == any(p.is_error for p in problems)
+        for p in problems:
+            assert p.path.startswith("$") and p.message
+        if recipe is not None:
+            _exercise(recipe, world_size)
+    except RecipeError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(BASES), st.integers(0, 2000), st.text(max_size=3))
+def test_corrupted_text_is_reported_not_raised(base, position, junk):
+    text = json.dumps(base, indent=2)
+    position = position % (len(text) + 1)
+    recipe, problems = recipe_from_text(text[:position] + junk + text[position:], "x.json")
+    assert recipe is not None or problems
+    for p in problems:
+        assert p.file == "x.json"
