@@ -1,0 +1,102 @@
+"""``initialize(model, recipe) -> Engine``: checks, groups, tensor-parallel plan, the chosen back end.
+
+The order matters for users: the recipe and the launched world are checked on every rank before any
+process group exists (a mismatch exits everywhere within seconds, no hang), then the model's real dims
+against the recipe, then the back end builds groups, shards the model and wraps it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+from .checks import load_recipe
+from .errors import PluginError, Problem, RecipeError
+from .recipe import Recipe
+from .runtime import check_launch, check_model, ensure_single_process_env, launch_env
+
+
+def choose_backend(recipe: Recipe) -> str:
+    """"deepspeed" when importable and the recipe allows it, else "native"."""
+    if recipe.launcher in ("accelerate", "torchrun"):
+        return "native"
+    deepspeed_ok = importlib.util.find_spec("deepspeed") is not None
+    if recipe.launcher == "deepspeed":
+        if not deepspeed_ok:
+            raise PluginError('the recipe says "launcher": "deepspeed" but deepspeed is not installed -> '
+                              'pip install deepspeed (with torch pinned), or set "launcher": "auto"')
+        return "deepspeed"
+    if recipe.parallelism.pipeline > 1 and recipe.pipeline_parallel.schedule != "1f1b":
+        return "native"  # DeepSpeed's PipelineEngine runs 1F1B only
+    return "deepspeed" if deepspeed_ok else "native"
+
+
+def _device(env):
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def layers_of(model) -> list:
+    """The model as an ordered list of layers, for pipeline stages."""
+    import torch
+
+    if hasattr(model, "to_layers"):
+        return list(model.to_layers())
+    if isinstance(model, (list, tuple, torch.nn.Sequential)):
+        return list(model)
+    raise PluginError(f"pipeline parallelism needs the model as an ordered list of layers: {type(model).__name__} "
+                      "has no to_layers() -> pass a list of modules or an nn.Sequential")
+
+
+def _fail(problems: list[Problem], env) -> None:
+    if env.is_main:
+        print("\n".join(p.format() for p in problems), file=sys.stderr, flush=True)
+    raise RecipeError(problems)
+
+
+def initialize(model, recipe: Union[Recipe, str, Path], *, loss_fn: Optional[Callable] = None,
+               world_size: Optional[int] = None, backend: Optional[str] = None):
+    """Shard ``model`` per ``recipe`` and wrap it in the chosen back end's :class:`~plugin.engines.base.Engine`.
+
+    ``model``: an ``nn.Module`` built whole, with the same seed, on every rank (the plugin shards it); for
+    pipelines an ordered list of layers, an ``nn.Sequential`` or a model with ``to_layers()``.
+    ``loss_fn(output, labels)``: defaults to next-token cross entropy, vocab-parallel when the head is sharded.
+    ``world_size``: the world the caller expects; it must equal the launcher's WORLD_SIZE.
+    ``backend``: "deepspeed" or "native" to override :func:`choose_backend`.
+    Raises :class:`RecipeError` with every problem, before building anything, when the recipe does not fit the
+    launched world or the model.
+    """
+    env = launch_env()
+    if world_size is not None and world_size != env.world_size:
+        _fail([Problem("$.parallelism", f"initialize(world_size={world_size}) but the launcher started "
+                       f"{env.world_size} process(es)", "drop world_size, or launch that many processes")], env)
+    if not isinstance(recipe, Recipe):
+        recipe = load_recipe(recipe)
+    check_launch(recipe, env)
+    problems = check_model(model, recipe)
+    if any(p.is_error for p in problems):
+        _fail([p for p in problems if p.is_error], env)
+    if env.is_main:
+        for p in problems:
+            print(p.format(), file=sys.stderr)
+    layout = recipe.layout(env.world_size)
+    ensure_single_process_env()
+    device = _device(env)
+    backend = backend or choose_backend(recipe)
+    from .tp_plan import tensor_parallel_hooks
+
+    apply_tp, loss_for = tensor_parallel_hooks(model, recipe, loss_fn)
+    if backend == "deepspeed":
+        from .engines.deepspeed import build
+    elif backend == "native":
+        from .engines.native import build
+    else:
+        raise PluginError(f'unknown backend {backend!r} -> use "deepspeed" or "native"')
+    return build(model, recipe, layout, env, device=device, layers_of=layers_of, apply_tp=apply_tp,
+                 loss_for=loss_for)

@@ -1,0 +1,89 @@
+"""The interface every back end implements, and what they share: batch splitting and loss averaging.
+
+``train_step(batch)`` takes the global batch (``global`` rows) or this data rank's share
+(``micro x grad_accum`` rows) as an ``(inputs, labels)`` pair, runs ``grad_accum`` micro-batches and one
+optimizer step, and returns the mean loss over the whole global batch: the same float on every rank.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..data import micro_batches, shard_rows
+
+
+class Engine(abc.ABC):
+    """A model sharded per a recipe, with its optimizer, ready to train."""
+
+    backend: str = "?"
+
+    def __init__(self, recipe, layout, topology, groups, module: torch.nn.Module, device: torch.device):
+        self.recipe = recipe
+        self.layout = layout
+        self.topology = topology
+        self.groups = groups
+        self.module = module
+        self.device = device
+        self.step_count = 0
+
+    # ------------------------------------------------------------------ the public interface
+    @abc.abstractmethod
+    def train_step(self, batch) -> float:
+        """One optimizer step over ``batch``; returns the global batch's mean loss (equal on every rank)."""
+
+    @abc.abstractmethod
+    def eval_step(self, batch) -> float:
+        """The global batch's mean loss without updating anything."""
+
+    @abc.abstractmethod
+    def save(self, directory: str, client_state: Optional[dict] = None) -> None:
+        """Write a checkpoint every rank can resume from (all ranks must call it)."""
+
+    @abc.abstractmethod
+    def load(self, directory: str) -> dict:
+        """Restore a checkpoint written by :meth:`save`; returns the ``client_state`` saved with it."""
+
+    # ------------------------------------------------------------------ shared helpers
+    @property
+    def dp_rank(self) -> int:
+        return self.groups.get_data_parallel_rank()
+
+    @property
+    def is_main(self) -> bool:
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    def local_batch(self, batch):
+        """This data rank's share of ``batch`` (given whole, or already split), on the engine's device."""
+        rows = batch[0].shape[0]
+        local_rows = self.layout.micro_batch * self.layout.grad_accum
+        if rows == self.layout.global_batch and rows != local_rows:
+            batch = shard_rows(batch, self.dp_rank, self.layout.data)
+        elif rows != local_rows:
+            raise ValueError(f"train_step got {rows} rows; expected the global batch ({self.layout.global_batch}) "
+                             f"or this rank's share (micro {self.layout.micro_batch} x grad_accum "
+                             f"{self.layout.grad_accum} = {local_rows})")
+        return tuple(t.to(self.device, non_blocking=True) for t in batch)
+
+    def micro_batches(self, batch) -> list:
+        return micro_batches(self.local_batch(batch), self.layout.grad_accum)
+
+    def mean_over_data(self, value: torch.Tensor) -> float:
+        """Average a per-rank scalar over the data-parallel group (tensor/pipeline peers hold the same)."""
+        value = value.detach().float().reshape(1).to(self.device)
+        if self.layout.data > 1:
+            dist.all_reduce(value, group=self.groups.get_data_parallel_group())
+            value /= self.layout.data
+        return float(value.item())
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer states (see each back end)."""
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        lay = self.layout
+        return {"backend": self.backend, "data": lay.data, "tensor": lay.tensor, "pipeline": lay.pipeline,
+                "zero": self.recipe.zero.stage, "precision": self.recipe.precision,
+                "global_batch": lay.global_batch, "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum}

@@ -1,0 +1,149 @@
+"""The DeepSpeed back end: ZeRO for the data-parallel replicas, PipelineModule for stages, the plugin's
+Megatron-style layers for tensor parallelism, all from one exported ds_config.
+
+* pipeline = 1: ``deepspeed.initialize(model, optimizer, config, mpu=groups)``, the plugin's groups as the
+  mpu when tensor > 1 (DeepSpeed then averages gradients over the data group only and counts sharded
+  parameters once per tensor rank when it clips).
+* pipeline > 1: a ``PipelineModule`` over ``PipeModelDataParallelTopology(num_pp, num_mp=tensor, num_dp)``.
+  Its grid is the only grid: the tensor groups are taken from it (``get_slice_parallel_group``), and the
+  model is sharded after the module has cut its stage, inside the same layer objects.
+
+Optimizer: DeepSpeed's compiled FusedAdam / CPUAdam only on CUDA where its op builds; otherwise (CPU, sgd)
+the recipe's torch.optim optimizer, with ``zero_force_ds_cpu_optimizer`` off so ZeRO-Offload accepts it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import torch
+
+from ..ds_config import to_ds_config
+from ..optim import build_optimizer, param_groups
+from .base import Engine
+
+
+def _deepspeed_optimizer_builds(recipe, device: torch.device) -> bool:
+    if device.type != "cuda" or recipe.optimizer.name not in ("adam", "adamw"):
+        return False
+    from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
+
+    builder = CPUAdamBuilder() if recipe.zero.offload_optimizer != "none" else FusedAdamBuilder()
+    try:
+        return bool(builder.is_compatible(verbose=False))
+    except Exception:  # a builder that cannot even tell: use torch.optim
+        return False
+
+
+def engine_config(recipe, world_size: int, *, use_ds_optimizer: bool) -> dict:
+    """The exported ds_config plus what this engine needs: no optimizer block when a torch optimizer is
+    passed, and quiet step logging unless the recipe's deepspeed block asks for it."""
+    cfg = to_ds_config(recipe, world_size)
+    raw = recipe.deepspeed or {}
+    if not use_ds_optimizer:
+        cfg.pop("optimizer", None)
+        if recipe.zero.offload_optimizer != "none":
+            cfg.setdefault("zero_force_ds_cpu_optimizer", False)
+    if "steps_per_print" not in raw:
+        cfg["steps_per_print"] = 2 ** 31 - 1
+    return cfg
+
+
+class DeepSpeedEngine(Engine):
+    backend = "deepspeed"
+
+    def __init__(self, recipe, layout, topology, groups, ds_engine, loss_fn: Callable, device, pipelined: bool):
+        super().__init__(recipe, layout, topology, groups, ds_engine.module, device)
+        self.ds = ds_engine
+        self.loss_fn = loss_fn
+        self.pipelined = pipelined
+
+    def train_step(self, batch) -> float:
+        self.ds.train()
+        if self.pipelined:
+            loss = self.ds.train_batch(data_iter=iter(self.micro_batches(batch)))
+            self.step_count += 1
+            return float(loss.item())
+        losses = []
+        for inputs, labels in self.micro_batches(batch):
+            loss = self.loss_fn(self.ds(inputs), labels)
+            self.ds.backward(loss)
+            self.ds.step()
+            losses.append(loss.detach().float())
+        self.step_count += 1
+        return self.mean_over_data(torch.stack(losses).mean())
+
+    @torch.no_grad()
+    def eval_step(self, batch) -> float:
+        self.ds.eval()
+        if self.pipelined:
+            loss = self.ds.eval_batch(data_iter=iter(self.micro_batches(batch)),
+                                      num_micro_batches=self.layout.grad_accum)
+            return float(loss.item())
+        losses = [self.loss_fn(self.ds(x), y).detach().float() for x, y in self.micro_batches(batch)]
+        return self.mean_over_data(torch.stack(losses).mean())
+
+    def save(self, directory: str, client_state: Optional[dict] = None) -> None:
+        state = {"step": self.step_count, "torch_rng": torch.get_rng_state(), **(client_state or {})}
+        self.ds.save_checkpoint(directory, tag="latest_step", client_state=state)
+
+    def load(self, directory: str) -> dict:
+        path, state = self.ds.load_checkpoint(directory, tag="latest_step")
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory!r} (expected {directory}/latest_step)")
+        self.step_count = int(state.get("step", 0))
+        if "torch_rng" in state:
+            torch.set_rng_state(state["torch_rng"])
+        return state
+
+    def state_bytes(self) -> dict[str, int]:
+        from .memory import deepspeed_state_bytes
+
+        return deepspeed_state_bytes(self.ds)
+
+
+def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callable, apply_tp: Callable,
+          loss_for: Callable) -> DeepSpeedEngine:
+    """Wrap ``model`` per ``recipe``: ``apply_tp(model, tp_group)`` shards it, ``layers_of(model)`` lists its
+    layers for a pipeline, ``loss_for(tp_group)`` gives the loss function."""
+    import deepspeed
+
+    from ..groups import build_groups, groups_from_grid
+    from ..topology import Topology
+
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+    topology = Topology(layout.pipeline, layout.data, layout.tensor)
+    use_ds_opt = _deepspeed_optimizer_builds(recipe, device)
+    config = engine_config(recipe, env.world_size, use_ds_optimizer=use_ds_opt)
+
+    if layout.pipeline > 1:
+        from deepspeed.pipe import PipelineModule
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+        ds_topology = PipeModelDataParallelTopology(num_pp=layout.pipeline, num_mp=layout.tensor,
+                                                    num_dp=layout.data)
+        pp = recipe.pipeline_parallel
+        module = PipelineModule(layers=layers_of(model), topology=ds_topology, partition_method=pp.partition,
+                                activation_checkpoint_interval=pp.activation_checkpoint_interval)
+        groups = groups_from_grid(module._grid)  # one grid: its slice group is the tensor group
+        loss_fn = module.loss_fn = loss_for(groups.get_tensor_model_parallel_group())
+        if layout.tensor > 1:
+            apply_tp(model, groups.get_tensor_model_parallel_group())
+        module.to(device)
+        mpu = None  # DeepSpeed requires mpu=None with a PipelineModule; it uses the module's grid
+    else:
+        groups = build_groups(topology)
+        loss_fn = loss_for(groups.get_tensor_model_parallel_group())
+        module = apply_tp(model, groups.get_tensor_model_parallel_group()) if layout.tensor > 1 else model
+        module.to(device)
+        mpu = groups if layout.tensor > 1 else None
+
+    if use_ds_opt:
+        optimizer, params = None, param_groups(module.parameters(), recipe.optimizer.weight_decay)
+    else:
+        optimizer, params = build_optimizer(module.parameters(), recipe.optimizer), None
+    ds_engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, model_parameters=params,
+                                              config=config, mpu=mpu)
+    return DeepSpeedEngine(recipe, layout, topology, groups, ds_engine, loss_fn, device,
+                           pipelined=layout.pipeline > 1)

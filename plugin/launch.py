@@ -1,0 +1,222 @@
+"""``launch.sh``'s brain: validate the recipe, pick a launcher, count processes, build the exact command.
+
+Pure and quick (no torch import): it validates first (exit 2 on an invalid recipe, nothing started), then
+picks deepspeed when it is importable and the recipe allows it, else accelerate, else torchrun; derives the
+process count from the recipe and the machine (GPUs, else CPU processes); ``--dry-run`` prints the command.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_RECIPE = "cpu_dp4"
+
+
+@dataclass
+class Machine:
+    """What this machine offers: accelerators, cores, installed launchers."""
+
+    gpus: int
+    cpus: int
+    has_deepspeed: bool
+    has_accelerate: bool
+    python: str = sys.executable
+
+    @classmethod
+    def detect(cls) -> "Machine":
+        return cls(gpus=count_gpus(), cpus=os.cpu_count() or 1,
+                   has_deepspeed=importlib.util.find_spec("deepspeed") is not None,
+                   has_accelerate=importlib.util.find_spec("accelerate") is not None)
+
+
+def count_gpus() -> int:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+@dataclass
+class Request:
+    recipe: str = DEFAULT_RECIPE
+    launcher: str = "auto"
+    nproc: Optional[int] = None  # processes per node
+    nodes: int = 1
+    node_rank: int = 0
+    master: Optional[str] = None  # ADDR:PORT
+    hostfile: Optional[str] = None
+    dry_run: bool = False
+    train_args: list = field(default_factory=list)
+
+
+class LaunchError(Exception):
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+def pick_launcher(recipe, requested: str, machine: Machine) -> str:
+    wanted = requested if requested != "auto" else recipe.launcher
+    deepspeed_allowed = recipe.parallelism.pipeline == 1 or recipe.pipeline_parallel.schedule == "1f1b"
+    if wanted == "deepspeed":
+        if not machine.has_deepspeed:
+            raise LaunchError("deepspeed is not installed -> pip install deepspeed (with torch pinned), "
+                              "or use --launcher accelerate/torchrun")
+        if not deepspeed_allowed:
+            raise LaunchError(f'DeepSpeed runs 1F1B only; the recipe asks for "{recipe.pipeline_parallel.schedule}" '
+                              "-> use --launcher torchrun or accelerate")
+        return "deepspeed"
+    if wanted == "accelerate":
+        if not machine.has_accelerate:
+            raise LaunchError("accelerate is not installed -> pip install accelerate, or use --launcher torchrun")
+        return "accelerate"
+    if wanted == "torchrun":
+        return "torchrun"
+    if machine.has_deepspeed and deepspeed_allowed:
+        return "deepspeed"
+    return "accelerate" if machine.has_accelerate else "torchrun"
+
+
+def processes_per_node(recipe, req: Request, machine: Machine) -> int:
+    if req.nproc is not None:
+        return req.nproc
+    model_ranks = recipe.parallelism.tensor * recipe.parallelism.pipeline
+    if recipe.parallelism.data != "auto":
+        world = recipe.parallelism.data * model_ranks
+        if world % req.nodes:
+            raise LaunchError(f"the recipe's {world} processes do not split evenly over {req.nodes} nodes "
+                              "-> pass --nproc")
+        return world // req.nodes
+    if machine.gpus:
+        return machine.gpus
+    return model_ranks * max(1, min(4, machine.cpus) // model_ranks)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _split_master(master: Optional[str]) -> tuple[str, int]:
+    if not master:
+        return "127.0.0.1", _free_port()
+    addr, _, port = master.rpartition(":")
+    if not addr or not port.isdigit():
+        raise LaunchError(f"--master {master!r}: expected ADDR:PORT, e.g. 10.0.0.1:29500")
+    return addr, int(port)
+
+
+def build_command(recipe_path: str, recipe, req: Request, machine: Machine) -> tuple[list[str], dict]:
+    """(argv, extra environment) of the launch."""
+    launcher = pick_launcher(recipe, req.launcher, machine)
+    nproc = processes_per_node(recipe, req, machine)
+    addr, port = _split_master(req.master)
+    bindir = Path(machine.python).parent
+    train = [str(ROOT / "train.py"), "--recipe", recipe_path, *req.train_args]
+    env = {}
+    if not machine.gpus:
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+    multi = req.nodes > 1 or req.hostfile
+    if launcher == "deepspeed":
+        exe = str(bindir / "deepspeed") if (bindir / "deepspeed").exists() else "deepspeed"
+        cmd = [exe]
+        if req.hostfile:
+            cmd += ["--hostfile", req.hostfile]
+        elif multi:
+            cmd += ["--no_ssh", "--num_nodes", str(req.nodes), "--node_rank", str(req.node_rank)]
+        cmd += ["--num_gpus", str(nproc), "--master_addr", addr, "--master_port", str(port), *train]
+        if not machine.gpus:
+            env["DS_ACCELERATOR"] = "cpu"
+    elif launcher == "torchrun":
+        cmd = [machine.python, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+        if multi:
+            cmd += ["--nnodes", str(req.nodes), "--node_rank", str(req.node_rank), "--rdzv_endpoint", f"{addr}:{port}"]
+        else:
+            cmd += ["--standalone"]
+        cmd += train
+    else:
+        cmd = [machine.python, "-m", "accelerate.commands.launch", "--num_processes", str(nproc * req.nodes),
+               "--num_machines", str(req.nodes), "--machine_rank", str(req.node_rank),
+               "--main_process_ip", addr, "--main_process_port", str(port)]
+        if nproc * req.nodes > 1:
+            cmd.insert(3, "--multi_gpu")  # with ACCELERATE_USE_CPU this is gloo over N CPU processes
+        cmd += ["--mixed_precision", {"fp32": "no"}.get(recipe.precision, recipe.precision), "--dynamo_backend", "no"]
+        cmd += train
+        if not machine.gpus:
+            env["ACCELERATE_USE_CPU"] = "true"
+    return cmd, env
+
+
+def parse(argv: list[str]) -> Request:
+    train_args = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, train_args = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(prog="launch.sh", description="Validate a recipe, pick a launcher, train.")
+    p.add_argument("--launcher", default="auto", choices=["auto", "deepspeed", "accelerate", "torchrun"])
+    p.add_argument("--nproc", type=int, help="processes per node (default: from the recipe and the machine)")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master", help="ADDR:PORT of node 0")
+    p.add_argument("--hostfile", help="a DeepSpeed hostfile (deepspeed launcher only)")
+    p.add_argument("--dry-run", action="store_true", help="print the command, start nothing")
+    p.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE, help=f"default: {DEFAULT_RECIPE}")
+    a = p.parse_args(argv)
+    if a.nodes > 1 and not a.master and not a.hostfile:
+        p.error("--nodes > 1 needs --master ADDR:PORT (or --hostfile)")
+    return Request(recipe=a.recipe, launcher=a.launcher, nproc=a.nproc, nodes=a.nodes, node_rank=a.node_rank,
+                   master=a.master, hostfile=a.hostfile, dry_run=a.dry_run, train_args=train_args)
+
+
+def main(argv: Optional[list[str]] = None, machine: Optional[Machine] = None) -> int:
+    from .checks import validate
+
+    try:
+        req = parse(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:
+        return 0 if e.code == 0 else 1
+    machine = machine or Machine.detect()
+    recipe, problems = validate(req.recipe)
+    for p in problems:
+        print(p.format(), file=sys.stderr)
+    if recipe is None:
+        return 2
+    try:
+        nproc = processes_per_node(recipe, req, machine)
+        _, check = validate(req.recipe, nproc * req.nodes)
+        errors = [p for p in check if p.is_error]
+        if errors:
+            print("\n".join(p.format() for p in errors), file=sys.stderr)
+            return 2
+        cmd, env = build_command(str(recipe.source), recipe, req, machine)
+    except LaunchError as e:
+        print(f"launch.sh: {e}", file=sys.stderr)
+        return e.code
+    shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + (" " if env else "") + shlex.join(cmd)
+    if req.dry_run:
+        print(shown)
+        return 0
+    print(f"+ {shown}", file=sys.stderr, flush=True)
+    os.execvpe(cmd[0], cmd, {**os.environ, **env})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""How initialize shards a model and picks its loss: the recipe's tensor_parallel block as two callables.
+
+``apply_tp(model, tp_group) -> model`` shards with the recipe's plan (``"auto"`` picks by model class);
+``loss_for(tp_group) -> loss_fn(output, labels)`` is the user's loss, or next-token cross entropy that is
+vocab-parallel when the output layer is sharded. Both are called by a back end once its groups exist.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from .recipe import _thaw
+
+
+def tensor_parallel_hooks(model, recipe, loss_fn: Optional[Callable]) -> tuple[Callable, Callable]:
+    tp_cfg = recipe.tensor_parallel
+    plan = tp_cfg.plan if isinstance(tp_cfg.plan, str) else _thaw(tp_cfg.plan)
+
+    def apply_tp(target, tp_group):
+        from .tensor_parallel import apply_tensor_parallel
+
+        return apply_tensor_parallel(target, plan, tp_group, sequence_parallel=tp_cfg.sequence_parallel)
+
+    def loss_for(tp_group) -> Callable:
+        if loss_fn is not None:
+            return loss_fn
+        from .models.gpt import gpt_loss
+
+        def loss(output, labels):
+            return gpt_loss(output, labels, tp_group=tp_group)
+
+        return loss
+
+    return apply_tp, loss_for

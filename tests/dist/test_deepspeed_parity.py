@@ -1,0 +1,75 @@
+"""The DeepSpeed engine computes what one process computes: per-step losses of every CPU layout, launched
+by the real ``deepspeed`` launcher, equal ``python train.py --recipe cpu_single`` (fp32, rtol 1e-4), and a
+run saved at step 5 and resumed gives steps 6-10 of the uninterrupted run.
+
+Each layout runs as two launches (steps 1-5 then --save; --resume then steps 6-10) and is compared with
+the reference's uninterrupted 10 steps: steps 1-5 check parity, steps 6-10 check parity after a resume.
+"""
+import math
+
+import pytest
+
+from .runs import recipe_variant, train
+
+pytestmark = [pytest.mark.dist, pytest.mark.deepspeed]
+deepspeed = pytest.importorskip("deepspeed")
+
+STEPS, SAVE_AT, RTOL = 10, 5, 1e-4
+
+LAYOUTS = {  # name -> (base recipe, replaced blocks)
+    "cpu_dp4_zero0": ("cpu_dp4", {"zero": {"stage": 0}}),
+    "cpu_dp4_zero1": ("cpu_dp4", {}),
+    "cpu_dp4_zero2": ("cpu_dp4", {"zero": {"stage": 2}}),
+    "cpu_dp4_zero3": ("cpu_dp4", {"zero": {"stage": 3}}),
+    "cpu_zero3_dp4": ("cpu_zero3_dp4", {}),
+    "cpu_tp2_dp2": ("cpu_tp2_dp2", {}),
+    "cpu_pp2_dp2": ("cpu_pp2_dp2", {}),
+    "cpu_tp2_pp2": ("cpu_tp2_pp2", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """cpu_single, one plain python process, 10 uninterrupted steps."""
+    tmp = tmp_path_factory.mktemp("reference")
+    run = train("cpu_single", 1, tmp, launcher="python", steps=STEPS)
+    losses = run.losses
+    assert sorted(losses) == list(range(1, STEPS + 1)), run.log()
+    assert losses[STEPS] < losses[1], "the reference must learn something, or parity proves little"
+    return losses
+
+
+def assert_same_losses(got: dict, want: dict, steps, log: str):
+    for step in steps:
+        assert step in got, f"step {step} missing\n{log}"
+        assert math.isclose(got[step], want[step], rel_tol=RTOL, abs_tol=0), \
+            f"step {step}: {got[step]!r} != reference {want[step]!r} (rtol {RTOL})\n{log}"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process_and_resumes(name, reference, tmp_path):
+    base, blocks = LAYOUTS[name]
+    recipe = recipe_variant(base, tmp_path, name, **blocks)
+    ckpt = tmp_path / "ckpt"
+    first = train(recipe, 4, tmp_path, steps=SAVE_AT, extra=["--save", ckpt])
+    assert "with deepspeed" in first.stderr, first.log()
+    assert_same_losses(first.losses, reference, range(1, SAVE_AT + 1), first.log())
+    second = train(recipe, 4, tmp_path, steps=STEPS, extra=["--resume", ckpt])
+    assert sorted(second.losses) == list(range(SAVE_AT + 1, STEPS + 1)), second.log()
+    assert_same_losses(second.losses, reference, range(SAVE_AT + 1, STEPS + 1), second.log())
+
+
+def test_reference_resumes_itself(reference, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    train("cpu_single", 1, tmp_path, launcher="python", steps=SAVE_AT, extra=["--save", ckpt])
+    second = train("cpu_single", 1, tmp_path, launcher="python", steps=STEPS, extra=["--resume", ckpt])
+    assert_same_losses(second.losses, reference, range(SAVE_AT + 1, STEPS + 1), second.log())
+
+
+def test_world_size_mismatch_exits_on_every_rank_without_hanging(tmp_path):
+    run = train("cpu_dp4", 2, tmp_path, steps=1, expect_ok=False, timeout=120)
+    assert run.returncode != 0, run.log()
+    text = run.stdout + run.stderr
+    assert text.count("but the launcher runs 2") == 1, "rank 0 alone prints the problem, once\n" + run.log()
+    assert "launch 4 processes" in text
+    assert run.seconds < 30, run.log()

@@ -1,0 +1,125 @@
+"""Train with a parallel recipe. The same script under every launcher:
+
+    python train.py --recipe cpu_single                         # one process, the reference
+    deepspeed --num_gpus 4 train.py --recipe cpu_dp4            # DeepSpeed's launcher (CPU: gloo)
+    torchrun --nproc_per_node 4 train.py --recipe cpu_tp2_dp2
+    accelerate launch --multi_gpu --num_processes 4 train.py --recipe cpu_dp4
+    ./launch.sh cpu_tp2_pp2                                     # picks one of the above
+
+Data: byte-level text of Python's standard library (no download), the same global batch at step i
+whatever the layout. Rank 0 shows progress, writes --metrics as JSON lines and prints a summary.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+import plugin
+from plugin.data import TextBatches
+from plugin.errors import PluginError, RecipeError
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Train a model with a parallel recipe.")
+    p.add_argument("--recipe", required=True, help="a recipe path or a shipped recipe's name (cpu_dp4)")
+    p.add_argument("--steps", type=int, default=50, help="train until this optimizer step (default 50)")
+    p.add_argument("--seed", type=int, default=0, help="model init and data order")
+    p.add_argument("--metrics", help="rank 0 appends {step, loss, tokens_per_s} JSON lines here")
+    p.add_argument("--save", metavar="DIR", help="save a checkpoint there after the last step")
+    p.add_argument("--resume", metavar="DIR", help="resume from a checkpoint written by --save")
+    p.add_argument("--model", default="gpt", choices=["gpt", "gpt2", "llama"],
+                   help="gpt: the reference GPT; gpt2/llama: transformers models from the recipe's dims")
+    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # deepspeed passes it
+    return p.parse_args(argv)
+
+
+def build_model(name, dims):
+    if name == "gpt":
+        from plugin.models.gpt import GPT, GPTConfig
+
+        return GPT(GPTConfig.from_recipe_model(dims))
+    from plugin.models.hf import build_hf_model
+
+    return build_hf_model(name, dims)
+
+
+class Progress:
+    """A one-line progress bar on a terminal, a line every tenth of the run otherwise (rank 0 only)."""
+
+    def __init__(self, total, start, enabled):
+        self.total, self.start, self.enabled = total, start, enabled
+        self.tty = sys.stderr.isatty()
+
+    def update(self, step, loss, tokens_per_s):
+        if not self.enabled:
+            return
+        done = (step - self.start) / max(1, self.total - self.start)
+        text = f"step {step}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s"
+        if self.tty:
+            bar = "#" * int(30 * done)
+            print(f"\r[{bar:<30}] {text}", end="" if step < self.total else "\n", file=sys.stderr, flush=True)
+        elif step == self.total or (step - self.start) % max(1, (self.total - self.start) // 10) == 0:
+            print(text, file=sys.stderr, flush=True)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        recipe = plugin.load_recipe(args.recipe)
+    except RecipeError as e:
+        print("\n".join(p.format() for p in e.errors), file=sys.stderr)
+        return 2
+    if recipe.model is None:
+        print(f"{recipe.source}: $.model: train.py builds its model from the recipe's model block -> add one",
+              file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+    torch.manual_seed(args.seed)  # the same whole model on every rank; the plugin shards it
+    model = build_model(args.model, recipe.model)
+    try:
+        engine = plugin.initialize(model, recipe)
+    except RecipeError:
+        return 2  # rank 0 already printed every problem
+    except PluginError as e:
+        print(e, file=sys.stderr)
+        return 2
+
+    data = TextBatches(recipe.model.vocab, recipe.model.seq_len, seed=args.seed)
+    start = engine.load(args.resume)["step"] if args.resume else 0
+    main_rank = engine.is_main
+    metrics = open(args.metrics, "a" if args.resume else "w") if args.metrics and main_rank else None
+    progress = Progress(args.steps, start, main_rank)
+    tokens = engine.layout.global_batch * recipe.model.seq_len
+    losses, t0 = [], time.perf_counter()
+    for step in range(start, args.steps):
+        t = time.perf_counter()
+        loss = engine.train_step(data.global_batch(step, engine.layout.global_batch))
+        tokens_per_s = tokens / (time.perf_counter() - t)
+        losses.append(loss)
+        progress.update(step + 1, loss, tokens_per_s)
+        if metrics:
+            metrics.write(json.dumps({"step": step + 1, "loss": loss, "tokens_per_s": tokens_per_s}) + "\n")
+            metrics.flush()
+    elapsed = time.perf_counter() - t0
+    if args.save:
+        engine.save(args.save)
+    eval_loss = engine.eval_step(data.global_batch(0, engine.layout.global_batch, split="eval"))
+    if main_rank and losses:
+        lay = engine.layout
+        print(f"\ntrained {recipe.name} with {engine.backend}: data {lay.data} x tensor {lay.tensor} x pipeline "
+              f"{lay.pipeline}, ZeRO-{recipe.zero.stage}, {recipe.precision}\n"
+              f"  steps {start + 1}-{args.steps}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, eval loss {eval_loss:.4f}\n"
+              f"  {tokens * len(losses) / elapsed:,.0f} tokens/s over {elapsed:.1f} s"
+              + (f"; checkpoint in {args.save}" if args.save else ""), file=sys.stderr)
+    if metrics:
+        metrics.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
