@@ -287,19 +287,28 @@ def expected_model_states(spec: ModelSpec, setup: Setup, stage: int = 0) -> Mode
     """Parameters, gradients and optimizer states one rank of ``stage`` holds on the accelerator.
 
     The quantity to compare with what an engine's ranks really allocate (issue 6, item 5): the stage's
-    parameters on one tensor rank (:meth:`ModelSpec.stage_params`), sharded by ZeRO over ``dp``. Offloaded
-    optimizer states (ZeRO-Offload) and parameters (ZeRO-Infinity) count 0 here; see :func:`host_model_states`.
+    parameters on one tensor rank (:meth:`ModelSpec.stage_params`), sharded by ZeRO over ``dp``. What is
+    offloaded counts 0 here (see :func:`host_model_states`): optimizer states with ``offload_optimizer``,
+    and with them the gradient partitions at stages 2 and 3 (ZeRO-Offload, Ren et al. 2021, Section 4.1:
+    gradients go to the CPU after the reduce-scatter); parameters with ``offload_param`` (ZeRO-Infinity).
+
+    This is the steady state of the backward pass. DeepSpeed's ZeRO-1/2 step also converts the gradient
+    partition to fp32 (4 Psi / N_d), but only after the 16-bit gradients and the activations are freed
+    (``stage_1_and_2.py``, ``step``), so it does not raise the peak; DeepSpeed's own estimator adds it.
     """
     states = _all_model_states(spec, setup, stage)
+    grads_away = setup.offload_optimizer and setup.zero_stage >= 2
     return ModelStates(parameters=0.0 if setup.offload_param else states.parameters,
-                       gradients=states.gradients,
+                       gradients=0.0 if grads_away else states.gradients,
                        optimizer_states=0.0 if setup.offload_optimizer else states.optimizer_states)
 
 
 def host_model_states(spec: ModelSpec, setup: Setup, stage: int = 0) -> ModelStates:
     """The part of one rank's model states offloaded to host memory (zeros without offload)."""
     states = _all_model_states(spec, setup, stage)
-    return ModelStates(parameters=states.parameters if setup.offload_param else 0.0, gradients=0.0,
+    grads_away = setup.offload_optimizer and setup.zero_stage >= 2
+    return ModelStates(parameters=states.parameters if setup.offload_param else 0.0,
+                       gradients=states.gradients if grads_away else 0.0,
                        optimizer_states=states.optimizer_states if setup.offload_optimizer else 0.0)
 
 
