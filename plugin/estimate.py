@@ -405,10 +405,10 @@ class CommTerm:
 def communication_per_rank(spec: ModelSpec, setup: Setup, stage: int = 0) -> list[CommTerm]:
     """Bytes a rank of ``stage`` sends per optimizer step, by purpose (ring algorithms).
 
-    - data parallel: gradients all-reduced, 2(N_d-1)/N_d x grad bytes (ZeRO paper 7.2.1); ZeRO-1/2 as a
-      reduce-scatter of gradients plus an all-gather of the updated parameters, the same volume; ZeRO-2
-      reduce-scatters at every micro-batch; ZeRO-3 adds parameter all-gathers in forward and backward,
-      3(N_d-1)/N_d x Psi instead of 2 (ZeRO paper 7.2.2), at every micro-batch.
+    - data parallel: gradients all-reduced, 2(N_d-1)/N_d x grad bytes (ZeRO paper 7.1); ZeRO-1/2 as a
+      reduce-scatter of gradients plus an all-gather of the updated parameters, the same volume (7.2.1);
+      ZeRO-2 reduce-scatters at every micro-batch; ZeRO-3 adds parameter all-gathers in forward and
+      backward, 3(N_d-1)/N_d x Psi instead of 2 (7.2.2), at every micro-batch.
     - tensor parallel: per block and micro-batch two all-reduces of sbh values forward and two backward
       (Megatron-LM, Shoeybi et al. 2019, Figure 4); with sequence parallelism each becomes an all-gather
       plus a reduce-scatter, the same bytes (Korthikanti et al. 4.2.2); full recompute repeats the

@@ -247,10 +247,12 @@ def _nothing_fits(result: PlanResult, search: _Search, usable: float, reserve: f
 
     spec, gpus = result.spec, result.gpus
     if search.smallest is None:
-        advice = (f"no layout of {gpus} GPUs is valid for {spec.name}: the global batch {result.global_batch} "
-                  f"must be divisible by the data-parallel size, and tensor sizes must divide heads "
-                  f"{spec.heads}, kv_heads {spec.kv}, hidden {spec.hidden} and ffn {spec.ffn}; "
-                  f"try --global-batch {default_global_batch(gpus, spec.seq_len)} (a multiple of {gpus})")
+        batch = -(-result.global_batch // gpus) * gpus
+        advice = (f"no layout of {gpus} GPUs is valid for {spec.name}: the data size must divide the global "
+                  f"batch {result.global_batch}, the tensor size must divide heads {spec.heads}, kv_heads "
+                  f"{spec.kv}, hidden {spec.hidden} and ffn {spec.ffn}, and there can be no more pipeline "
+                  f"stages than the {spec.layers} layers. Try --global-batch {batch} (a multiple of {gpus}), "
+                  f"or a GPU count with more divisors")
         return replace(result, advice=advice)
     need, setup, memory = search.smallest
     short = need - usable
@@ -295,8 +297,12 @@ def describe_result(result: PlanResult) -> str:
     return (f"{spec.name} ({params_text(spec.total_params())} parameters, seq {spec.seq_len}) on {result.gpus} "
             f"GPUs ({nodes} node{'s' if nodes > 1 else ''} of {min(result.gpus, result.gpus_per_node)}), "
             f"{fmt_gb(result.gpu_memory, 0)} each ({fmt_gb(result.usable)} usable); global batch "
-            f"{result.global_batch} sequences = {result.global_batch * spec.seq_len / 1e6:.1f}M tokens; "
+            f"{result.global_batch} sequences = {_tokens(result.global_batch * spec.seq_len)} tokens; "
             f"{result.hardware.describe()}")
+
+
+def _tokens(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
 
 
 def is_tensor_inside_node(setup: Setup, gpus_per_node: int) -> bool:
@@ -314,6 +320,9 @@ def to_recipe_data(plan_: Plan, result: PlanResult, name: str = "") -> dict:
     import re
 
     s, spec = plan_.setup, result.spec
+    if s.recompute == "selective":
+        raise ValueError("a recipe has no field for selective recompute; plan with recompute_modes "
+                         "('none', 'full') to write one")
     name = name or f"plan_{spec.name}_{result.gpus}gpus"
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", name) or "plan"
     nodes = max(1, math.ceil(result.gpus / result.gpus_per_node))

@@ -1,6 +1,6 @@
 """Model presets (``models.json`` beside this file, shipped in the wheel) and ``--model`` resolution.
 
-``--model`` takes a preset name (``llama2-7b``; case, ``-``, ``_`` and ``.`` do not matter) or a JSON
+``--model`` takes a preset name (``llama2-7b``; case, ``-`` and ``_`` do not matter) or a JSON
 file: a recipe ``model`` block (optionally with the architecture keys of :class:`plugin.dims.ModelSpec`),
 or a whole recipe, whose ``model`` block is used. Pure.
 """
@@ -20,15 +20,17 @@ _FILE = Path(__file__).resolve().parent / "models.json"
 
 
 def _key(name: str) -> str:
-    return re.sub(r"[-_.\s]", "", name.lower())
+    return re.sub(r"[-_\s]", "", name.lower())  # keep ".": gpt3-1.3b is not gpt3-13b
 
 
 @functools.lru_cache(maxsize=1)
 def _presets() -> dict[str, ModelSpec]:
     with open(_FILE, encoding="utf-8") as f:
         data = json.load(f)
-    out = {}
+    out: dict[str, ModelSpec] = {}
     for entry in data["presets"]:
+        if any(_key(entry["name"]) == _key(n) for n in out):
+            raise AssertionError(f"preset {entry['name']!r} is indistinguishable from another name")
         spec, problems = spec_from_dict(entry, name=entry["name"], where=f"presets[{entry['name']}]")
         if spec is None:  # a broken shipped file is a bug, not a user error
             raise AssertionError("; ".join(p.format() for p in problems))

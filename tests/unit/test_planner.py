@@ -183,7 +183,8 @@ def test_preset_names_are_forgiving_and_unknown_ones_get_a_suggestion():
     assert "did you mean" in err.value.problems[0].hint and "llama2-7b" in err.value.problems[0].hint
     assert len(preset_names()) >= 20
     for name in preset_names():
-        assert get_preset(name).source
+        assert get_preset(name).name == name and get_preset(name).source
+    assert get_preset("GPT3-1.3B").total_params() < 2e9 < get_preset("gpt3_13b").total_params()
 
 
 def test_model_from_a_json_block_or_a_recipe(tmp_path):
@@ -202,3 +203,49 @@ def test_model_from_a_json_block_or_a_recipe(tmp_path):
     assert "did you mean 'hidden'" in hints
     with pytest.raises(RecipeError):
         resolve_model(str(tmp_path / "missing.json"))
+
+
+# ---------------------------------------------------------------- the pruning is safe
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(tp=st.sampled_from([1, 2, 4, 8]), pp=st.sampled_from([1, 2, 4, 8]), per_replica=st.sampled_from([8, 16, 48, 64]),
+       zero=st.integers(0, 3), sp=st.booleans(), mode=st.sampled_from(["none", "selective", "full"]),
+       schedule=st.sampled_from(["1f1b", "gpipe"]), preset=st.sampled_from(["llama2-7b", "gpt3-2.7b", "llama3-8b"]))
+def test_memory_never_shrinks_with_a_larger_micro_batch(tp, pp, per_replica, zero, sp, mode, schedule, preset):
+    """The search stops at the first micro-batch that does not fit: larger ones must not need less."""
+    spec = get_preset(preset)
+    totals = []
+    for mb in divisors(per_replica):
+        setup = Setup(tp=tp, pp=pp, dp=2, zero_stage=zero, micro_batch=mb, micro_batches=per_replica // mb,
+                      recompute=mode, sequence_parallel=sp and tp > 1, schedule=schedule)
+        totals.append(memory_per_rank(spec, setup).total)
+    assert totals == sorted(totals)
+
+
+@pytest.mark.parametrize("preset,gpus,memory", [("gpt3-1.3b", 8, 24e9), ("llama2-7b", 16, 40e9),
+                                                 ("gpt3-2.7b", 12, 16e9)])
+def test_pruned_search_finds_what_brute_force_finds(preset, gpus, memory):
+    spec = get_preset(preset)
+    result = plan(spec, gpus, memory, top=3, global_batch=48)
+    usable, _ = usable_memory(memory)
+    best = None
+    for tp in divisors(gpus):
+        if spec.heads % tp or spec.kv % tp or spec.hidden % tp or spec.ffn % tp:
+            continue
+        for pp in divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            if pp > spec.layers or 48 % dp:
+                continue
+            for zero in ([0] if dp == 1 else [0, 1] if pp > 1 else [0, 1, 2, 3]):
+                for sp in ([False, True] if tp > 1 else [False]):
+                    for mode in ("none", "full"):
+                        for mb in divisors(48 // dp):
+                            s = Setup(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch=mb,
+                                      micro_batches=48 // dp // mb, recompute=mode, sequence_parallel=sp)
+                            if memory_per_rank(spec, s).total <= usable and group_inside_node("tensor", s, 8):
+                                key = (step_time(spec, s).total, memory_per_rank(spec, s).total)
+                                best = key if best is None or key < best else best
+    assert best is not None and result.plans
+    assert (result.plans[0].time.total, result.plans[0].memory.total) == best
