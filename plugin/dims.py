@@ -170,7 +170,8 @@ _BOOLS = ("bias", "tied_embeddings")
 _IGNORED = ("dropout", "source", "name", "description", "aliases", "paper_params")
 
 
-def spec_from_dict(data: Mapping[str, Any], name: str = "model", where: str = "$") -> tuple[Optional[ModelSpec], list[Problem]]:
+def spec_from_dict(data: Mapping[str, Any], name: str = "model",
+                   where: str = "$") -> tuple[Optional[ModelSpec], list[Problem]]:
     """A :class:`ModelSpec` from a recipe ``model`` block (plus optional architecture keys), or problems."""
     import difflib
 
@@ -190,10 +191,12 @@ def spec_from_dict(data: Mapping[str, Any], name: str = "model", where: str = "$
             if key not in ("kv_heads", "ffn_hidden"):
                 problems.append(Problem(f"{where}.{key}", f"{key!r} is required", "give a positive integer"))
         elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            problems.append(Problem(f"{where}.{key}", f"{value!r} is not a positive integer", "give a positive integer"))
+            problems.append(Problem(f"{where}.{key}", f"{value!r} is not a positive integer",
+                                    "give a positive integer"))
     for key, choices in _CHOICES.items():
         if key in data and data[key] not in choices:
-            problems.append(Problem(f"{where}.{key}", f"{data[key]!r} is not allowed", "use one of " + ", ".join(choices)))
+            problems.append(Problem(f"{where}.{key}", f"{data[key]!r} is not allowed",
+                                    "use one of " + ", ".join(choices)))
     for key in _BOOLS:
         if key in data and not isinstance(data[key], bool):
             problems.append(Problem(f"{where}.{key}", f"{data[key]!r} is not true or false", "use true or false"))

@@ -3,10 +3,11 @@
 Every layout of ``gpus`` = tensor x pipeline x data is tried with each ZeRO stage (2 and 3 only without
 pipeline parallelism, as DeepSpeed requires), sequence parallelism on and off (tensor > 1), each
 recompute mode and every micro-batch size that divides the per-replica batch; each layout is ranked at
-its fastest micro-batch (so the top K are K different layouts, not one layout's micro-batch sizes). A layout is valid when the
-tensor size divides heads, kv_heads, hidden and ffn_hidden, the pipeline has no more stages than layers,
-and the data size divides the global batch. Those whose most loaded rank fits in the usable memory
-(:func:`plugin.estimate.usable_memory`) are ranked by :func:`plugin.steptime.step_time`, ties by memory.
+its fastest micro-batch (so the top K are K different layouts, not one layout's micro-batch sizes).
+A layout is valid when the tensor size divides heads, kv_heads, hidden and ffn_hidden, the pipeline has
+no more stages than layers, and the data size divides the global batch. Those whose most loaded rank
+fits in the usable memory (:func:`plugin.estimate.usable_memory`) are ranked by
+:func:`plugin.steptime.step_time`, ties by memory.
 
 Tensor groups stay inside a node: layouts whose tensor groups would cross nodes are tried only when no
 other fits, and the result says so. Memory grows with the micro-batch size, so the search stops at the
@@ -232,7 +233,8 @@ def _explain(plans: list[Plan], usable: float, spec: ModelSpec, gpus_per_node: i
             else:
                 diffs = {k: v - first.time.get(k) for k, v in p.time.terms}
                 worst = max(diffs, key=lambda k: diffs[k])
-                reason = (f"{delta / first.time.total:+.1%} step time, mostly {_term_detail(worst, p, spec, gpus_per_node)} "
+                detail = _term_detail(worst, p, spec, gpus_per_node)
+                reason = (f"{delta / first.time.total:+.1%} step time, mostly {detail} "
                           f"(+{fmt_seconds(diffs[worst])})")
         if p.setup.recompute != "none" and all(q.setup.recompute != "none" for q in plans):
             reason += "; recompute is needed to fit"

@@ -196,7 +196,8 @@ def step_time(spec: ModelSpec, setup: Setup, hw: Hardware = HARDWARE["h100"], gp
         hops = comm.get("pipeline_send_activations", 0.0) or comm.get("pipeline_send_gradients", 0.0)
         # Two sends per schedule slot (an activation forward, a gradient backward), m + p - 1 slots.
         terms.append(("pipeline_p2p", 2 * (m + p - 1) * hops / m))
-    terms.append(("data_parallel_exposed", _exposed_data_comm(setup, comm, x, _module_seconds(spec, setup, hw, gpus_per_node))))
+    module = _module_seconds(spec, setup, hw, gpus_per_node)
+    terms.append(("data_parallel_exposed", _exposed_data_comm(setup, comm, x, module)))
     terms.append(("optimizer_step", _optimizer_seconds(spec, setup, hw)))
     return StepTime(tuple(terms), tokens_per_step=setup.global_batch * spec.seq_len,
                     model_flops=model_flops_per_step(spec, setup), world_size=setup.world_size,

@@ -145,11 +145,13 @@ def _print(result, written) -> None:
         print(f"{p.rank}. {p.setup.label()}: {p.reason}")
     if written:
         print(f"wrote the best layout to {written} (it validates); check it with: python -m plugin estimate {written}")
-        if not _is_reference_gpt(result.spec):
-            print(f"note: a recipe's model block has no field for {result.spec.name}'s architecture "
-                  f"({result.spec.mlp} MLP, {result.spec.norm}, {'untied' if not result.spec.tied_embeddings else 'tied'} "
-                  f"embeddings, {result.spec.positions} positions); `estimate` of the written recipe assumes the "
-                  f"reference GPT (GELU, LayerNorm, tied, learned positions) and so counts somewhat differently")
+        spec = result.spec
+        if not _is_reference_gpt(spec):
+            tying = "tied" if spec.tied_embeddings else "untied"
+            print(f"note: a recipe's model block has no field for {spec.name}'s architecture ({spec.mlp} MLP, "
+                  f"{spec.norm}, {tying} embeddings, {spec.positions} positions); `estimate` of the written "
+                  f"recipe assumes the reference GPT (GELU, LayerNorm, tied, learned positions) and so counts "
+                  f"somewhat differently")
 
 
 def _is_reference_gpt(spec) -> bool:
