@@ -102,7 +102,7 @@ def activation_terms_per_layer(seq_len: int, micro_batch: int, hidden: int, head
                                sequence_parallel: bool = False, recompute: str = "none",
                                kv_heads: Optional[int] = None, ffn_hidden: Optional[int] = None,
                                mlp: str = "gelu", bytes_per_value: float = 2,
-                               fused_attention: bool = False) -> list[tuple[str, float]]:
+                               fused_attention: bool = False, dropout: bool = True) -> list[tuple[str, float]]:
     """The stored activations of one transformer block for one micro-batch, each tensor named, in bytes.
 
     Korthikanti et al. 2022, Section 4.1, tensor by tensor (16-bit values, 1-byte dropout masks). With
@@ -112,9 +112,10 @@ def activation_terms_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     parallelism divides the rest (norm inputs, the QKV and fc1 inputs, dropout masks) by t as well.
     Selective recompute drops the attention core (softmax, its dropout, the 5as^2b terms); full recompute
     keeps only the block's input, 2sbh (sequence-sharded, so 2sbh/t, under sequence parallelism).
-    Dropout masks are counted whether or not dropout is on, as in the paper. ``fused_attention``
-    (FlashAttention, or torch's ``scaled_dot_product_attention`` on its fused kernels) never stores the
-    softmax either: the 5as^2b terms go, as under selective recompute, at no recompute cost of its own.
+    Dropout is on, as in the paper; ``dropout=False`` (probability 0) drops the three masks and the
+    separate post-dropout attention probabilities. ``fused_attention`` (FlashAttention, or torch's
+    ``scaled_dot_product_attention`` on its fused kernels) never stores the softmax: the 5as^2b terms go,
+    as under selective recompute, at no recompute cost of its own.
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
@@ -132,15 +133,16 @@ def activation_terms_per_layer(seq_len: int, micro_batch: int, hidden: int, head
         ("q_and_k", 2 * w * sbh * (1 + g / a) / t),
     ]
     if recompute == "none" and not fused_attention:
-        terms += [
-            ("softmax_output", 2 * w * a * s * s * b / t),
-            ("softmax_dropout_mask", a * s * s * b / t),
-            ("attention_probs_after_dropout", 2 * w * a * s * s * b / t),
-        ]
+        terms.append(("softmax_output", 2 * w * a * s * s * b / t))
+        if dropout:
+            terms += [
+                ("softmax_dropout_mask", a * s * s * b / t),
+                ("attention_probs_after_dropout", 2 * w * a * s * s * b / t),
+            ]
     terms += [
         ("v", 2 * w * sbh * (g / a) / t),
         ("attn_proj_input", 2 * w * sbh / t),
-        ("attn_dropout_mask", sbh / rep),
+        ("attn_dropout_mask", sbh / rep if dropout else 0.0),
         ("mlp_norm_input", 2 * w * sbh / rep),
         ("fc1_input", 2 * w * sbh / rep),
     ]
@@ -150,16 +152,16 @@ def activation_terms_per_layer(seq_len: int, micro_batch: int, hidden: int, head
         terms.append(("gelu_input", 2 * w * s * b * f / t))
     terms += [
         ("fc2_input", 2 * w * s * b * f / t),
-        ("mlp_dropout_mask", sbh / rep),
+        ("mlp_dropout_mask", sbh / rep if dropout else 0.0),
     ]
-    return terms
+    return [(k, v) for k, v in terms if v or dropout]
 
 
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1,
                                sequence_parallel: bool = False, recompute: str = "none",
                                kv_heads: Optional[int] = None, ffn_hidden: Optional[int] = None,
                                mlp: str = "gelu", bytes_per_value: float = 2,
-                               fused_attention: bool = False) -> float:
+                               fused_attention: bool = False, dropout: bool = True) -> float:
     """Activation bytes of one transformer block for one micro-batch: Korthikanti et al. 2022, Table 2.
 
     ==========================================  =========================
@@ -173,13 +175,14 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
 
     The extra keywords (GQA ``kv_heads``, ``ffn_hidden``, ``mlp="swiglu"``, ``bytes_per_value=4`` for fp32)
     generalise the count; left at their defaults the result is the table's formula exactly.
-    ``fused_attention=True`` drops the 5as/h terms (FlashAttention stores no softmax).
+    ``fused_attention=True`` drops the 5as/h terms (FlashAttention stores no softmax); ``dropout=False``
+    the dropout masks (and 3as/h of the 5as/h).
     See :func:`activation_terms_per_layer` for the tensors.
     """
     return sum(v for _, v in activation_terms_per_layer(
         seq_len, micro_batch, hidden, heads, tp=tp, sequence_parallel=sequence_parallel, recompute=recompute,
         kv_heads=kv_heads, ffn_hidden=ffn_hidden, mlp=mlp, bytes_per_value=bytes_per_value,
-        fused_attention=fused_attention))
+        fused_attention=fused_attention, dropout=dropout))
 
 
 # ============================================================== pipeline
@@ -234,6 +237,7 @@ class Setup:
     offload_optimizer: bool = False
     offload_param: bool = False
     fused_attention: bool = True  # FlashAttention / SDPA: the softmax is not stored
+    dropout: bool = True  # dropout masks stored (the paper's assumption; a recipe says model.dropout)
 
     @property
     def world_size(self) -> int:
@@ -343,7 +347,7 @@ def stage_memory(spec: ModelSpec, setup: Setup, stage: int) -> Breakdown:
         return activation_bytes_per_layer(s, b, h, spec.heads, tp=t, sequence_parallel=sp, recompute=mode,
                                           kv_heads=spec.kv, ffn_hidden=spec.ffn, mlp=spec.mlp,
                                           bytes_per_value=setup.bytes_per_value,
-                                          fused_attention=setup.fused_attention)
+                                          fused_attention=setup.fused_attention, dropout=setup.dropout)
 
     if setup.recompute == "full":
         k = max(1, min(setup.checkpoint_interval, layers or 1))
@@ -357,7 +361,8 @@ def stage_memory(spec: ModelSpec, setup: Setup, stage: int) -> Breakdown:
     if stage == 0:
         # Korthikanti et al. 4.3: the embedding's dropout mask (sbh, 1 byte) per micro-batch in flight,
         # plus the int64 token ids (8sb) Megatron's theoretical_memory_usage.py adds.
-        terms.append(("embedding_activations", in_flight * (s * b * h / rep + 8 * s * b)))
+        mask = s * b * h / rep if setup.dropout else 0.0
+        terms.append(("embedding_activations", in_flight * (mask + 8 * s * b)))
     if stage == setup.pp - 1:
         # Korthikanti et al. 4.3: final norm input and output-projection input (2sbh each, /t with SP) and
         # the fp32 logits for the cross entropy, 4sbv/t (vocab-parallel); one micro-batch at a time.

@@ -2,7 +2,8 @@
 
 A recipe's ``model`` block is the reference GPT (:meth:`plugin.dims.ModelSpec.from_recipe_model`); its
 ``pipeline_parallel.activation_checkpoint_interval`` k > 0 is full recompute with a checkpoint every k
-blocks; attention is taken as fused (FlashAttention / ``scaled_dot_product_attention``: no stored softmax).
+blocks; attention is taken as fused (FlashAttention / ``scaled_dot_product_attention``: no stored softmax);
+dropout masks are counted only when ``model.dropout`` > 0.
 Pure: no torch.
 """
 from __future__ import annotations
@@ -41,6 +42,7 @@ def setup_from_recipe(recipe, world_size: Optional[int] = None) -> Setup:
         schedule=recipe.pipeline_parallel.schedule, virtual_stages=recipe.pipeline_parallel.virtual_stages,
         precision=recipe.precision, optimizer=recipe.optimizer.name, momentum=recipe.optimizer.momentum,
         offload_optimizer=zero.offload_optimizer != "none", offload_param=zero.offload_param != "none",
+        dropout=recipe.model is not None and recipe.model.dropout > 0,
     )
 
 

@@ -124,6 +124,9 @@ def test_activation_generalisations():
     masks = sum(v for k, v in activation_terms_per_layer(s, b, h, a) if k.endswith("mask"))
     fp32 = activation_bytes_per_layer(s, b, h, a, bytes_per_value=4)
     assert fp32 == 2 * base - masks  # 2-byte values double, 1-byte masks do not
+    # without dropout: no masks, no separate post-dropout probabilities: sbh(32 + 2as/h)
+    assert activation_bytes_per_layer(s, b, h, a, dropout=False) == s * b * h * (32 + 2 * a * s / h)
+    assert activation_bytes_per_layer(s, b, h, a, dropout=False, fused_attention=True) == s * b * h * 32
     with pytest.raises(ValueError):
         activation_bytes_per_layer(s, b, h, a, recompute="some")
 
