@@ -14,7 +14,8 @@ other fits, and the result says so. Memory grows with the micro-batch size, so t
 first micro-batch that does not fit; 512 GPUs take well under a second.
 
 The recompute modes default to what a recipe can say: ``none`` and ``full`` (``pipeline_parallel.
-activation_checkpoint_interval`` = 1). ``selective`` is estimated but has no recipe field yet.
+activation_checkpoint_interval`` = 1). ``selective`` is estimated but has no recipe field yet. Attention
+is taken as fused (FlashAttention) and dropout as on (its masks counted), the conservative choice.
 """
 from __future__ import annotations
 
