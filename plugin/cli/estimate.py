@@ -21,7 +21,9 @@ DOES_NOT_FIT = 3
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "estimate", help="per-rank memory, traffic and step time of a recipe, and whether it fits",
-        description=__doc__.split("\n\n")[0].strip("`"), formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="The most loaded rank's memory term by term (model states, activations, embedding and "
+                    "output layer), the bytes it sends per step, a roofline step time, and a verdict: does it "
+                    "fit, with what margin.",
         epilog="Exit codes: 0 fits, 3 does not fit, 2 invalid recipe, 1 usage error. GB = 10^9 bytes.")
     p.add_argument("recipe", metavar="RECIPE", help="a recipe file, or a shipped recipe's name (tp2_dp4)")
     p.add_argument("--gpu-memory", metavar="SIZE",

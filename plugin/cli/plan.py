@@ -34,7 +34,9 @@ def _positive(text: str) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "plan", help="find the fastest layout that fits a model on a cluster",
-        description=__doc__.split("\n\n")[0].strip("`"), formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Search every tensor x pipeline x data layout, ZeRO stage, micro-batch, recompute and "
+                    "sequence-parallel choice; keep those that fit; rank them by a roofline step time; print "
+                    "the top K with the reason for each place; --write saves the best as a recipe.",
         epilog="Exit codes: 0 a layout fits, 3 none fits, 2 invalid model file, 1 usage error. GB = 10^9 bytes.")
     p.add_argument("--model", required=True, metavar="NAME|PATH.json",
                    help="a preset (llama2-7b, llama3-8b, gpt3-175b, megatron-1t, ...) or a JSON model block "
