@@ -7,7 +7,6 @@ Exit codes: 0 it fits, 3 it does not fit, 2 the recipe is invalid (or has no mod
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 from ..errors import RecipeError
