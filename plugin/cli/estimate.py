@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import RecipeError
 from ..dims import params_text
+from ..errors import RecipeError
 from ..units import fmt_bytes, fmt_gb, fmt_seconds, parse_size
 from ._output import print_json, print_problems, print_table
 
