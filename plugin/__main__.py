@@ -2,7 +2,8 @@
 
 Each command is a module in :mod:`plugin.cli` with ``register(subparsers)`` and ``run(args) -> int``.
 None of them imports torch, deepspeed or accelerate: they answer in milliseconds.
-Exit codes: 0 fine (warnings on stderr), 1 usage error, 2 invalid recipe.
+Exit codes: 0 fine (warnings on stderr), 1 usage error, 2 invalid recipe, 3 it does not fit
+(``estimate`` and ``plan``).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ["validate", "show", "export", "import_"]
+COMMANDS = ["validate", "show", "export", "import_", "estimate", "plan"]
 
 
 def build_parser() -> argparse.ArgumentParser:

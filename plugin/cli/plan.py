@@ -1,0 +1,161 @@
+"""``python -m plugin plan --model NAME|PATH.json --gpus N --gpu-memory 80GB ...``: the fastest layouts that fit.
+
+Searches every tensor x pipeline x data layout, ZeRO stage, micro-batch, recompute and sequence-parallel
+choice (:mod:`plugin.planner`), keeps those whose most loaded rank fits, ranks them by a roofline step
+time and prints the top K with the reason for each place. ``--write`` saves the winner as a recipe.
+
+Exit codes: 0 a layout fits, 3 none fits (the output says how far off the closest is and what to change),
+2 an invalid model file or a written recipe that does not validate, 1 usage error (bad size, unknown preset).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..errors import RecipeError
+from ..units import fmt_gb, fmt_seconds, parse_size
+from ._output import print_json, print_problems, print_table
+
+NOTHING_FITS = 3
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="find the fastest layout that fits a model on a cluster",
+        description="Search every tensor x pipeline x data layout, ZeRO stage, micro-batch, recompute and "
+                    "sequence-parallel choice; keep those that fit; rank them by a roofline step time; print "
+                    "the top K with the reason for each place; --write saves the best as a recipe.",
+        epilog="Exit codes: 0 a layout fits, 3 none fits, 2 invalid model file, 1 usage error. GB = 10^9 bytes.")
+    p.add_argument("--model", required=True, metavar="NAME|PATH.json",
+                   help="a preset (llama2-7b, llama3-8b, gpt3-175b, megatron-1t, ...) or a JSON model block "
+                        "(the recipe's model fields) or a recipe with one")
+    p.add_argument("--gpus", required=True, type=_positive, metavar="N", help="accelerators in all")
+    p.add_argument("--gpus-per-node", type=_positive, default=8, metavar="G",
+                   help="accelerators per node (default 8); tensor groups stay inside a node")
+    p.add_argument("--gpu-memory", required=True, metavar="SIZE", help="memory of one accelerator: 80GB, 80GiB or 80")
+    p.add_argument("--global-batch", type=_positive, metavar="B",
+                   help="sequences per optimizer step (default: about 4M tokens, a multiple of --gpus)")
+    p.add_argument("--seq-len", type=_positive, metavar="S", help="sequence length (default: the model's)")
+    p.add_argument("--top", type=_positive, default=5, metavar="K", help="how many layouts to show (default 5)")
+    p.add_argument("--write", metavar="RECIPE.json", help="write the best layout as a recipe to this file")
+    p.add_argument("--json", action="store_true", help="print JSON for machines instead of tables")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from ..planner import plan
+    from ..presets import resolve_model
+
+    try:
+        gpu_memory = parse_size(args.gpu_memory)
+    except ValueError as e:
+        print(f"--gpu-memory: {e}", file=sys.stderr)
+        return 1
+    try:
+        spec = resolve_model(args.model)
+    except RecipeError as e:
+        print_problems(e.problems)
+        file_problem = any(p.file for p in e.problems)
+        return 2 if file_problem else 1
+    if args.seq_len:
+        spec = spec.with_seq_len(args.seq_len)
+    result = plan(spec, args.gpus, gpu_memory, gpus_per_node=args.gpus_per_node,
+                  global_batch=args.global_batch, top=args.top)
+    written = None
+    if args.write and result.plans:
+        written, code = _write(result, Path(args.write))
+        if code:
+            return code
+    if args.json:
+        data = result.to_json()
+        data["written"] = str(written) if written else None
+        print_json(data)
+    else:
+        _print(result, written)
+    if not result.plans:
+        if args.write:
+            print(f"nothing written to {args.write}: no layout fits", file=sys.stderr)
+        return NOTHING_FITS
+    return 0
+
+
+def _write(result, path: Path):
+    """Write the winner as a recipe, after checking that it validates; (path, exit code)."""
+    from ..planner import to_recipe_data
+    from ..recipe import recipe_from_data
+
+    data = to_recipe_data(result.plans[0], result, name=path.stem)
+    recipe, problems = recipe_from_data(data, str(path))
+    errors = [p for p in problems if p.is_error]
+    if recipe is not None and not errors:
+        errors = _cross_field_errors(recipe)
+    if errors:  # a planner bug: say so rather than write a recipe that will not load
+        print("the planned recipe does not validate (a bug in the planner; please report it):", file=sys.stderr)
+        print_problems(errors)
+        return None, 2
+    try:
+        path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    except OSError as e:
+        print(f"--write: cannot write {path}: {e}", file=sys.stderr)
+        return None, 1
+    return path, 0
+
+
+def _cross_field_errors(recipe) -> list:
+    """plugin.checks' cross-field rules, when that module exists in this build."""
+    try:
+        from ..checks import check_recipe
+    except ImportError:
+        return []
+    return [p for p in check_recipe(recipe, recipe.layout().world_size) if p.is_error]
+
+
+def _print(result, written) -> None:
+    from ..planner import describe_result
+
+    print(describe_result(result))
+    print(f"searched {result.considered} layouts, {result.fitting} fit")
+    for note in result.notes:
+        print(f"note: {note}")
+    if not result.plans:
+        print(result.advice)
+        return
+    rows = []
+    for p in result.plans:
+        s = p.setup
+        rows.append((str(p.rank), str(s.tp), str(s.pp), str(s.dp), str(s.zero_stage),
+                     f"{s.micro_batch} x {s.micro_batches}", "yes" if s.sequence_parallel else "no", s.recompute,
+                     fmt_gb(p.memory.total), fmt_seconds(p.time.total),
+                     f"{p.time.tokens_per_second_per_gpu:,.0f}", f"{p.time.mfu:.0%}"))
+    print_table(f"Top {len(result.plans)} layouts (fastest first)",
+                ["#", "tensor", "pipeline", "data", "ZeRO", "micro x acc", "seq par", "recompute",
+                 "mem/GPU", "step", "tok/s/GPU", "MFU"], rows,
+                right=["#", "tensor", "pipeline", "data", "ZeRO", "mem/GPU", "step", "tok/s/GPU", "MFU"])
+    for p in result.plans:
+        print(f"{p.rank}. {p.setup.label()}: {p.reason}")
+    if written:
+        print(f"wrote the best layout to {written} (it validates); check it with: python -m plugin estimate {written}")
+        spec = result.spec
+        if not _is_reference_gpt(spec):
+            tying = "tied" if spec.tied_embeddings else "untied"
+            print(f"note: a recipe's model block has no field for {spec.name}'s architecture ({spec.mlp} MLP, "
+                  f"{spec.norm}, {tying} embeddings, {spec.positions} positions); `estimate` of the written "
+                  f"recipe assumes the reference GPT (GELU, LayerNorm, tied, learned positions) and so counts "
+                  f"somewhat differently")
+
+
+def _is_reference_gpt(spec) -> bool:
+    return (spec.mlp, spec.norm, spec.bias, spec.positions, spec.tied_embeddings) == \
+        ("gelu", "layernorm", True, "learned", True)

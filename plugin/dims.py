@@ -1,0 +1,221 @@
+"""Transformer dimensions and the parameter counts that follow from them (pure).
+
+A :class:`ModelSpec` is a recipe's ``model`` block plus the architecture choices the block does not
+state: the MLP kind (GELU with two matrices, or Llama's SwiGLU with three), the norm (LayerNorm with a
+bias, or RMSNorm), linear biases, learned position embeddings or RoPE, tied input/output embeddings.
+A recipe's ``model`` block describes the plugin's reference GPT (``plugin/models/gpt.py``): GELU MLP,
+LayerNorm, biases, learned positions, tied embeddings; :meth:`ModelSpec.from_recipe_model` assumes
+exactly that. Presets (:mod:`plugin.presets`) say their own architecture.
+
+Counting (Megatron-LM's ``theoretical_memory_usage.py`` counts the same way), with
+h = hidden, a = heads, g = kv_heads, d = h/a, f = ffn_hidden, V = vocab, s = seq_len:
+
+    attention   h(h + 2gd) [qkv] + h^2 [proj]             (+ h + 2gd + h biases)
+    MLP         2hf (GELU) or 3hf (SwiGLU)                  (+ f + h or 2f + h biases)
+    norms       2 per layer: 2h each (LayerNorm) or h (RMSNorm), and one final norm
+    embeddings  Vh (+ sh learned positions) (+ Vh output layer when untied)
+
+Tensor parallelism splits the matrices, their column biases and the vocabulary; norms, the row-parallel
+biases and the position table stay whole on every tensor rank (Megatron's layout).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from .errors import Problem
+
+MLP_KINDS = ("gelu", "swiglu")
+NORM_KINDS = ("layernorm", "rmsnorm")
+POSITION_KINDS = ("learned", "rope")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer's dimensions and architecture choices."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int
+    kv_heads: Optional[int] = None
+    ffn_hidden: Optional[int] = None
+    mlp: str = "gelu"
+    norm: str = "layernorm"
+    bias: bool = True
+    positions: str = "learned"
+    tied_embeddings: bool = True
+    name: str = "model"
+    source: str = field(default="", compare=False)
+
+    # ------------------------------------------------------------ resolved dims
+    @property
+    def kv(self) -> int:
+        return self.kv_heads if self.kv_heads is not None else self.heads
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden if self.ffn_hidden is not None else 4 * self.hidden
+
+    @property
+    def kv_dim(self) -> float:
+        """Width of K (and of V): kv_heads x head dim; equals hidden without GQA."""
+        return self.kv * self.hidden / self.heads
+
+    @property
+    def norm_params(self) -> int:
+        return 2 * self.hidden if self.norm == "layernorm" else self.hidden
+
+    # ------------------------------------------------------------ per layer
+    def layer_params_split(self) -> tuple[float, float]:
+        """(sharded by tensor parallelism, replicated on every tensor rank) parameters of one block."""
+        h, f = self.hidden, self.ffn
+        qkv_out = h + 2 * self.kv_dim
+        sharded = h * qkv_out + h * h  # qkv (column) + proj (row)
+        replicated = 2 * self.norm_params
+        sharded += (3 if self.mlp == "swiglu" else 2) * h * f
+        if self.bias:
+            sharded += qkv_out + (2 * f if self.mlp == "swiglu" else f)  # column-parallel biases
+            replicated += 2 * h  # the two row-parallel output biases
+        return sharded, replicated
+
+    def layer_params(self) -> float:
+        return sum(self.layer_params_split())
+
+    def layer_matmul_params(self) -> float:
+        """Weights that take part in a matmul (no biases, no norms): the FLOPs count."""
+        h, f = self.hidden, self.ffn
+        return h * (h + 2 * self.kv_dim) + h * h + (3 if self.mlp == "swiglu" else 2) * h * f
+
+    # ------------------------------------------------------------ whole model
+    def embedding_params(self) -> float:
+        return self.vocab * self.hidden
+
+    def position_params(self) -> float:
+        return self.seq_len * self.hidden if self.positions == "learned" else 0
+
+    def output_params(self) -> float:
+        """The output projection's own parameters: 0 when tied to the input embedding."""
+        return 0 if self.tied_embeddings else self.vocab * self.hidden
+
+    def total_params(self) -> float:
+        return (self.layers * self.layer_params() + self.embedding_params() + self.position_params()
+                + self.norm_params + self.output_params())
+
+    def largest_layer_params(self) -> float:
+        """The largest single module: a transformer block or the embedding table (ZeRO-3 gathers it whole)."""
+        return max(self.layer_params(), self.embedding_params())
+
+    # ------------------------------------------------------------ per rank
+    def layers_on_stage(self, stage: int, pp: int) -> int:
+        """Blocks on pipeline stage ``stage``: an even split, the first ``layers % pp`` stages one more."""
+        base, extra = divmod(self.layers, pp)
+        return base + (1 if stage < extra else 0)
+
+    def padded_vocab(self, tp: int) -> int:
+        """The vocabulary padded to a multiple of the tensor size (vocab-parallel embedding)."""
+        return -(-self.vocab // tp) * tp
+
+    def stage_params(self, stage: int, pp: int = 1, tp: int = 1) -> float:
+        """Parameters one rank of pipeline stage ``stage`` holds under tensor parallelism ``tp``.
+
+        Stage 0 holds the embedding (and learned positions); the last stage holds the final norm and
+        the output projection, a second copy of the embedding when tied embeddings cross a pipeline
+        (Megatron and DeepSpeed's TiedLayerSpec keep one on each end and all-reduce their gradients).
+        """
+        sharded, replicated = self.layer_params_split()
+        n = self.layers_on_stage(stage, pp) * (sharded / tp + replicated)
+        vocab_shard = self.padded_vocab(tp) * self.hidden / tp
+        if stage == 0:
+            n += vocab_shard + self.position_params()
+        if stage == pp - 1:
+            n += self.norm_params
+            if not self.tied_embeddings or pp > 1:
+                n += vocab_shard
+        return n
+
+    # ------------------------------------------------------------ building
+    @classmethod
+    def from_recipe_model(cls, model, name: str = "recipe") -> "ModelSpec":
+        """The reference GPT of a recipe's ``model`` block (GELU, LayerNorm, biases, learned positions, tied)."""
+        return cls(layers=model.layers, hidden=model.hidden, heads=model.heads, vocab=model.vocab,
+                   seq_len=model.seq_len, kv_heads=model.kv_heads, ffn_hidden=model.ffn_hidden, name=name)
+
+    def with_seq_len(self, seq_len: int) -> "ModelSpec":
+        return dataclasses.replace(self, seq_len=seq_len)
+
+    def to_model_block(self) -> dict:
+        """The recipe ``model`` block of these dimensions (architecture choices have no field there)."""
+        block: dict[str, Any] = {"layers": self.layers, "hidden": self.hidden, "heads": self.heads}
+        if self.kv != self.heads:
+            block["kv_heads"] = self.kv
+        if self.ffn != 4 * self.hidden:
+            block["ffn_hidden"] = self.ffn
+        block.update(vocab=self.vocab, seq_len=self.seq_len)
+        return block
+
+    def to_json(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out.update(kv_heads=self.kv, ffn_hidden=self.ffn, parameters=int(self.total_params()))
+        return out
+
+
+_INT_FIELDS = ("layers", "hidden", "heads", "vocab", "seq_len", "kv_heads", "ffn_hidden")
+_CHOICES = {"mlp": MLP_KINDS, "norm": NORM_KINDS, "positions": POSITION_KINDS}
+_BOOLS = ("bias", "tied_embeddings")
+# Keys a --model JSON may carry besides the dims: the recipe block's dropout, and a preset's notes.
+_IGNORED = ("dropout", "source", "name", "description", "aliases", "paper_params")
+
+
+def spec_from_dict(data: Mapping[str, Any], name: str = "model",
+                   where: str = "$") -> tuple[Optional[ModelSpec], list[Problem]]:
+    """A :class:`ModelSpec` from a recipe ``model`` block (plus optional architecture keys), or problems."""
+    import difflib
+
+    problems: list[Problem] = []
+    if not isinstance(data, Mapping):
+        return None, [Problem(where, f"a model is a JSON object, not {type(data).__name__}",
+                              "give layers, hidden, heads, vocab and seq_len")]
+    known = set(_INT_FIELDS) | set(_CHOICES) | set(_BOOLS) | set(_IGNORED)
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            problems.append(Problem(f"{where}.{key}", f"unknown key {key!r}",
+                                    f"did you mean {close[0]!r}?" if close else "allowed: " + ", ".join(sorted(known))))
+    for key in _INT_FIELDS:
+        value = data.get(key)
+        if value is None:
+            if key not in ("kv_heads", "ffn_hidden"):
+                problems.append(Problem(f"{where}.{key}", f"{key!r} is required", "give a positive integer"))
+        elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(Problem(f"{where}.{key}", f"{value!r} is not a positive integer",
+                                    "give a positive integer"))
+    for key, choices in _CHOICES.items():
+        if key in data and data[key] not in choices:
+            problems.append(Problem(f"{where}.{key}", f"{data[key]!r} is not allowed",
+                                    "use one of " + ", ".join(choices)))
+    for key in _BOOLS:
+        if key in data and not isinstance(data[key], bool):
+            problems.append(Problem(f"{where}.{key}", f"{data[key]!r} is not true or false", "use true or false"))
+    if problems:
+        return None, problems
+    heads, kv = data["heads"], data.get("kv_heads") or data["heads"]
+    if heads % kv:
+        problems.append(Problem(f"{where}.kv_heads", f"heads {heads} is not a multiple of kv_heads {kv}",
+                                "grouped-query attention needs heads divisible by kv_heads"))
+    if problems:
+        return None, problems
+    kwargs = {k: data[k] for k in (*_INT_FIELDS, *_CHOICES, *_BOOLS) if k in data}
+    return ModelSpec(name=str(data.get("name", name)), source=str(data.get("source", "")), **kwargs), []
+
+
+def params_text(n: float) -> str:
+    """``6.74B``, ``355M``."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.3g}{unit}" if value < 100 else f"{math.floor(value + 0.5)}{unit}"
+    return str(int(n))
