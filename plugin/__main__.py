@@ -14,7 +14,8 @@ import sys
 COMMANDS = ["validate", "show", "export", "import_", "estimate", "plan"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``only``, just that command's module is imported (quicker start for validate)."""
     parser = argparse.ArgumentParser(
         prog="python -m plugin",
         description="Validate, inspect, convert and plan parallel-training recipes.",
@@ -22,13 +23,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMANDS:
-        module = importlib.import_module(f"plugin.cli.{name}")
-        module.register(sub)
+        if only is None or name.rstrip("_") == only:
+            importlib.import_module(f"plugin.cli.{name}").register(sub)
     return parser
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    first = argv[0] if argv else None
+    parser = build_parser(first if first in {c.rstrip("_") for c in COMMANDS} else None)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits 2 on usage errors; 2 means "invalid recipe" here
