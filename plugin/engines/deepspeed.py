@@ -126,7 +126,7 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
         pp = recipe.pipeline_parallel
         module = PipelineModule(layers=layers_of(model), topology=ds_topology, partition_method=pp.partition,
                                 activation_checkpoint_interval=pp.activation_checkpoint_interval)
-        groups = groups_from_grid(module._grid)  # one grid: its slice group is the tensor group
+        groups = ParallelGroups.from_deepspeed_grid(module._grid)  # one grid: its slice group is the tensor group
         loss_fn = module.loss_fn = loss_for(groups.get_tensor_model_parallel_group())
         if layout.tensor > 1:
             apply_tp(model, groups.get_tensor_model_parallel_group())
