@@ -25,6 +25,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import logging
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
@@ -150,6 +151,8 @@ def resolve_plan(model: nn.Module, plan: Union[str, Mapping[str, str]], tp_size:
         hits = [n for n, _ in modules if fnmatch.fnmatchcase(n, glob)]
         if not hits and explicit:
             shardable = [n for n, m in modules if _is_linear(m) or isinstance(m, nn.Embedding)]
+            if "*" in glob:  # suggest globs: "blocks.0.attn.qkv" -> "blocks.*.attn.qkv"
+                shardable = list(dict.fromkeys(re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", n) for n in shardable))
             close = difflib.get_close_matches(glob, shardable, n=3, cutoff=0.5)
             hint = f"did you mean {', '.join(map(repr, close))}?" if close else \
                 f"its linear/embedding modules are named like {', '.join(map(repr, shardable[:4]))}"
