@@ -21,17 +21,16 @@ weights a module already holds), so one seed on every rank gives the same functi
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import (allreduce_grads_in_backward, copy_to_tensor_region, gather_from_sequence_region,
-                   gather_from_tensor_region, group_rank, group_size, reduce_from_tensor_region,
-                   reduce_scatter_to_sequence_region, scatter_to_tensor_region)
+from .comm import (allreduce_grads_in_backward, gather_from_tensor_region, group_rank, group_size,
+                   reduce_from_tensor_region, reduce_scatter_to_sequence_region, scatter_to_tensor_region)
 from .errors import TensorParallelError
+from .fused import column_linear
 from .sharding import mark_sharded, padded_size, shard, shard_range
 
 
@@ -107,12 +106,9 @@ class ColumnParallelLinear(_ParallelLinear):
             _param(shard(bias, 0, p, r, parts=parts), bias.requires_grad), 0, parts=parts)
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of ``Y``, before any gather of the output."""
-        if self.sequence_parallel:
-            x = gather_from_sequence_region(x, self.tp_group)
-        else:
-            x = copy_to_tensor_region(x, self.tp_group)
-        return F.linear(x, self.weight, self.bias)
+        """This rank's slice of ``Y``, before any gather of the output: ``F.linear`` after ``f`` (or the
+        sequence all-gather), fused so that backward overlaps the collective with the weight gradient."""
+        return column_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._local(x)

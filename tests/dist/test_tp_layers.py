@@ -93,6 +93,11 @@ def check_linears(group):
     for layer, ref in ((col, fc1), (row, fc2)):
         close(full_tensor(layer.weight.grad, layer.weight, group), ref.weight.grad, f"{type(layer).__name__} dW")
         close(full_tensor(layer.bias.grad, layer.bias, group), ref.bias.grad, f"{type(layer).__name__} db")
+    # under autocast the fused column backward sees bf16 gradients and fp32 saved tensors
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = row(F.gelu(col(xs)))
+    y.float().sum().backward()
+    assert col.weight.grad.dtype == xs.grad.dtype == torch.float32
     # column with gathered output; row with a whole (not yet split) input
     fc1.zero_grad(); fc2.zero_grad()
     for layer, ref in ((ColumnParallelLinear.from_linear(fc1, group, gather_output=True), fc1),
