@@ -37,7 +37,7 @@ def _prefix(model: nn.Module) -> str:
     return "" if base is model else f"{model.base_model_prefix}."
 
 
-def auto_plan(model: nn.Module, tp_size: int) -> dict[str, str]:
+def auto_plan(model: nn.Module) -> dict[str, str]:
     """The plan ``"auto"`` stands for, for this model; raises when there is none."""
     own = getattr(model, "tensor_parallel_plan", None)
     if callable(own):

@@ -15,7 +15,7 @@ count them by wrapping those functions.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist

@@ -27,7 +27,7 @@ from .comm import group_rank, group_size
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_size, ignore_index):
-        p, r = group_size(group), group_rank(group)
+        r = group_rank(group)
         local_vocab = logits.shape[-1]
         start = r * local_vocab
         z = logits.float()

@@ -14,7 +14,9 @@ all-reduce forward (``g`` after the row layer) and one backward (``f`` before th
 Sequence parallelism (``sequence_parallel=True``) replaces ``f`` by an all-gather of the sequence and ``g``
 by a reduce-scatter of it: the input of a column layer and the output of a row layer are then
 ``[seq/p, batch, hidden]`` slices (sequence first). The gathered input is kept for backward, so backward
-needs no second all-gather (Megatron re-gathers to save that memory).
+needs no second all-gather (Megatron re-gathers to save that memory). A column layer's matmul and its
+input collective are one autograd node (:mod:`.fused`): backward runs the collective on ``dx`` while it
+computes the weight gradient.
 
 Every layer is built whole and then sharded (:meth:`ColumnParallelLinear.from_linear` etc. cut the
 weights a module already holds), so one seed on every rank gives the same function as the unsharded model.

@@ -96,6 +96,9 @@ def _fit(name: str, module: nn.Module, style: Style, tp: int) -> list[str]:
     if style.kind == "replicate":
         return []
     if isinstance(module, nn.Embedding):
+        unsupported = [n for n in ("max_norm", "sparse", "scale_grad_by_freq") if getattr(module, n)]
+        if style.kind == "vocab" and unsupported:
+            return [f"{what}: a split embedding does not support its option(s) {unsupported}; use 'replicate'"]
         if style.kind == "vocab" and not style.gather_output:
             return []
         return [f"{what}: style {style.text!r} does not fit an embedding; use 'vocab' (split its rows) or "
@@ -134,7 +137,7 @@ def resolve_plan(model: nn.Module, plan: Union[str, Mapping[str, str]], tp_size:
     """
     explicit = plan != "auto"
     if plan == "auto":
-        plan = auto.auto_plan(model, tp_size)
+        plan = auto.auto_plan(model)
     if not isinstance(plan, Mapping) or not plan:
         raise TensorParallelError(f"a tensor-parallel plan is 'auto' or a non-empty mapping of module-name "
                                   f"globs to styles, got {plan!r}")

@@ -52,6 +52,8 @@ def test_style_that_does_not_fit_names_the_module():
     assert "module '3' (LayerNorm)" in text and "'replicate'" in text
     text = problems_of(nn.Sequential(nn.Embedding(10, 4)), {"0": "row"}, 2)
     assert "module '0' (nn.Embedding 10x4)" in text and "'vocab'" in text
+    text = problems_of(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0)), {"0": "vocab"}, 2)
+    assert "does not support its option(s) ['max_norm']" in text
 
 
 def test_dimension_not_divisible_names_module_and_values():
