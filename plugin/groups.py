@@ -1,0 +1,195 @@
+"""Process groups from the pure topology: the only module that calls ``torch.distributed.new_group``.
+
+:func:`build_groups` turns :class:`plugin.topology.Topology`'s rank lists into process groups and returns
+this rank's :class:`ParallelGroups`. ``new_group`` must be called by every rank for every group in the
+same order; it is, in the topology's order: tensor, data, pipeline, then model groups. A rank list seen
+before reuses its group (with no pipeline the model group is the tensor group), and a group of the
+whole world is the default group itself, so no communicator is created twice.
+
+With DeepSpeed's ``PipelineModule`` the groups already exist in its grid (``deepspeed.initialize`` then
+requires ``mpu=None``): :meth:`ParallelGroups.from_deepspeed_grid` wraps them without creating any, so
+the tensor-parallel layers and the pipeline engine use one and the same tensor group.
+
+A :class:`ParallelGroups` is also a DeepSpeed ``mpu``: ``deepspeed.initialize(model, mpu=groups, ...)``.
+DeepSpeed's "model parallel" group is the model group (tensor x pipeline), which is the tensor group
+when there is no pipeline, the case in which DeepSpeed takes an external mpu; it sums gradient norms
+over that group, counting a replicated parameter on tensor rank 0 only and a parameter with
+``tensor_model_parallel = True`` (what the tensor-parallel layers set) on every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from .errors import PluginError
+from .topology import Topology
+
+
+class GroupError(PluginError):
+    """Process groups cannot be built as asked (the message says what to change)."""
+
+
+@dataclass(frozen=True, eq=False)
+class ParallelGroups:
+    """This rank's tensor, data, pipeline and model (tensor x pipeline) groups, and their rank lists."""
+
+    topology: Topology
+    rank: int
+    tensor_group: Any
+    tensor_ranks: tuple[int, ...]
+    data_group: Any
+    data_ranks: tuple[int, ...]
+    pipeline_group: Any
+    pipeline_ranks: tuple[int, ...]
+    model_group: Any
+    model_ranks: tuple[int, ...]
+
+    # -- coordinates
+    @property
+    def tp_size(self) -> int:
+        return len(self.tensor_ranks)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tensor_ranks.index(self.rank)
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.data_ranks)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.data_ranks.index(self.rank)
+
+    @property
+    def pp_size(self) -> int:
+        return len(self.pipeline_ranks)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pipeline_ranks.index(self.rank)
+
+    @classmethod
+    def from_deepspeed_grid(cls, grid) -> "ParallelGroups":
+        """Wrap the groups of a DeepSpeed ``PipelineParallelGrid`` (``pipeline_module._grid``); creates none.
+
+        The grid must use the plugin's rank order (``PipeModelDataParallelTopology`` or
+        ``PipeDataParallelTopology``: axes pipe, data[, model]); its slice group is the tensor group.
+        """
+        topo = grid.topology()
+        axes = list(topo.get_axis_names())
+        if axes not in (["pipe", "data"], ["pipe", "data", "model"]):
+            raise GroupError(f"DeepSpeed grid with axes {axes}: the plugin's rank order is pipe, data, model "
+                             f"(tensor fastest); build the PipelineModule with PipeModelDataParallelTopology")
+        topology = Topology(pp_size=topo.get_dim("pipe"), dp_size=topo.get_dim("data"),
+                            tp_size=topo.get_dim("model") if "model" in axes else 1)
+        rank = grid.get_global_rank()
+        model_ranks = tuple(sorted(topo.get_axis_list(axis="data", idx=grid.get_data_parallel_rank())))
+        groups = cls(topology, rank,
+                     grid.get_slice_parallel_group(), tuple(grid.slice_group),
+                     grid.get_data_parallel_group(), tuple(grid.get_data_parallel_group_ranks()),
+                     grid.get_pipe_parallel_group(), tuple(grid.pp_group),
+                     grid.get_model_parallel_group(), model_ranks)
+        expected = {"tensor": groups.tensor_ranks, "data": groups.data_ranks,
+                    "pipeline": groups.pipeline_ranks, "model": groups.model_ranks}
+        wrong = {axis: ranks for axis, ranks in expected.items() if list(ranks) != topology.group_of(rank, axis)}
+        if wrong:
+            raise GroupError(f"DeepSpeed grid groups {wrong} differ from the plugin's topology {topology} at rank "
+                             f"{rank}; build the PipelineModule's topology as PipeModelDataParallelTopology("
+                             f"num_pp={topology.pp_size}, num_mp={topology.tp_size}, num_dp={topology.dp_size})")
+        return groups
+
+    # -- DeepSpeed / Megatron mpu protocol
+    def get_global_rank(self) -> int:
+        return self.rank
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.tp_rank
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.tp_size
+
+    def get_tensor_model_parallel_group(self):
+        return self.tensor_group
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        """Global rank of tensor rank 0 in this rank's tensor group."""
+        return self.tensor_ranks[0]
+
+    # DeepSpeed's pipeline grid calls the tensor axis "slice".
+    get_slice_parallel_rank = get_tensor_model_parallel_rank
+    get_slice_parallel_world_size = get_tensor_model_parallel_world_size
+    get_slice_parallel_group = get_tensor_model_parallel_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_size
+
+    def get_data_parallel_group(self):
+        return self.data_group
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self.data_ranks)
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.pp_rank
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.pp_size
+
+    def get_pipe_parallel_group(self):
+        return self.pipeline_group
+
+    get_pipeline_model_parallel_rank = get_pipe_parallel_rank
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+    get_pipeline_model_parallel_group = get_pipe_parallel_group
+
+    def get_model_parallel_rank(self) -> int:
+        """Rank in the model group (tensor x pipeline); the tensor rank when there is no pipeline."""
+        return self.model_ranks.index(self.rank)
+
+    def get_model_parallel_world_size(self) -> int:
+        return len(self.model_ranks)
+
+    def get_model_parallel_group(self):
+        return self.model_group
+
+
+def build_groups(topology: Topology, backend: Optional[str] = None) -> ParallelGroups:
+    """Create every tensor, data, pipeline and model group of ``topology``; return this rank's.
+
+    A collective: every rank of the default group must call it with the same topology. ``backend``
+    (e.g. "gloo" next to an NCCL default group) is passed to ``new_group``; ``None`` uses the default's.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise GroupError("torch.distributed is not initialized: call torch.distributed.init_process_group "
+                         "(or deepspeed.init_distributed) before build_groups, or run under a launcher "
+                         "(torchrun, deepspeed, accelerate launch)")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if topology.world_size != world:
+        raise GroupError(f"the topology {topology} needs {topology.world_size} processes but "
+                         f"{world} were launched; launch {topology.world_size}, or change the recipe's "
+                         f"parallelism so that pipeline x data x tensor = {world}")
+    made: dict[tuple[int, ...], Any] = {}
+
+    def group_for(lists: list[list[int]]):
+        mine = None
+        for ranks in lists:
+            key = tuple(ranks)
+            if key not in made:
+                whole_world = key == tuple(range(world)) and backend is None
+                made[key] = dist.group.WORLD if whole_world else dist.new_group(list(key), backend=backend)
+            if rank in key:
+                mine = key
+        assert mine is not None, (rank, lists)
+        return made[mine], mine
+
+    tensor = group_for(topology.tensor_groups())
+    data = group_for(topology.data_groups())
+    pipeline = group_for(topology.pipeline_groups())
+    model = group_for(topology.model_groups())
+    return ParallelGroups(topology, rank, *tensor, *data, *pipeline, *model)

@@ -1,0 +1,233 @@
+"""The reference GPT: pre-norm decoder, causal (grouped-query) attention, GELU MLP, learned positions.
+
+Built whole on one process (``GPT(config)``, deterministic under ``torch.manual_seed``), then sharded by
+``apply_tensor_parallel(model, "auto", tp_group, sequence_parallel=...)`` into a model that computes the
+same function, and cut into pipeline stages from :meth:`GPT.to_layers`::
+
+    tokens [batch, seq] --EmbeddingLayer--> x --Block--> ... --Block--> x --HeadLayer--> logits [batch, seq, V]
+
+Between layers ``x`` is ``[seq, batch, hidden]`` (sequence first, like Megatron-LM: a sequence slice is
+then contiguous); with sequence parallelism it is this rank's ``[seq/p, batch, hidden]`` slice. Under
+tensor parallelism the logits are split by vocabulary (``[batch, seq, V_padded/p]``, padded entries
+``-inf``) and :func:`gpt_loss` with the tensor group computes the loss without gathering them.
+
+The fused ``qkv`` projection stores its rows grouped by key/value head: for each of the ``kv_heads``
+groups, its ``heads/kv_heads`` query heads, then its key head, then its value head. A contiguous split
+by output rows therefore hands every tensor rank whole groups (needs ``kv_heads % tp == 0``).
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..tensor_parallel.comm import allreduce_grads_in_backward, gather_from_sequence_region, scatter_to_sequence_region
+from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..tensor_parallel.errors import TensorParallelError
+from ..tensor_parallel.layers import ColumnParallelLinear
+from ..tensor_parallel.random import sharded_region
+from .gpt_config import GPTConfig
+
+__all__ = ["GPT", "GPTConfig", "gpt_loss", "EmbeddingLayer", "Block", "HeadLayer"]
+
+
+def _sequence_parallel(tp) -> bool:
+    return tp is not None and tp.sequence_parallel
+
+
+def _dropout(x: torch.Tensor, p: float, training: bool, sharded_rng=None) -> torch.Tensor:
+    """Dropout; inside a sharded region (``sharded_rng`` given) with this tensor rank's own stream."""
+    if not training or p == 0.0:
+        return x
+    with sharded_region(sharded_rng, x.device):
+        return F.dropout(x, p, True)
+
+
+class EmbeddingLayer(nn.Module):
+    """tokens ``[batch, seq]`` -> ``[seq, batch, hidden]`` (sequence parallel: this rank's sequence slice)."""
+
+    def __init__(self, embed: nn.Module, pos_embed: nn.Embedding, config: GPTConfig, tp=None):
+        super().__init__()
+        self.embed, self.pos_embed = embed, pos_embed
+        self.config, self.tp = config, tp
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"GPT input must be token ids [batch, seq] (int64), got {tuple(tokens.shape)} "
+                             f"{tokens.dtype}")
+        if tokens.shape[1] > self.config.seq_len:
+            raise ValueError(f"GPT input has {tokens.shape[1]} tokens per sequence, more than the "
+                             f"configured seq_len {self.config.seq_len}")
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = (self.embed(tokens) + self.pos_embed(positions)).transpose(0, 1).contiguous()
+        if _sequence_parallel(self.tp):
+            x = scatter_to_sequence_region(x, self.tp.group)
+            return _dropout(x, self.config.dropout, self.training, self.tp.rng)
+        return _dropout(x, self.config.dropout, self.training)
+
+
+class Attention(nn.Module):
+    """Causal self-attention over this rank's query groups (all of them when unsharded)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.head_dim, self.q_per_kv = config.head_dim, config.q_per_kv
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.hidden, (config.heads + 2 * config.kv_heads_resolved) * config.head_dim,
+                             bias=config.bias)
+        self.proj = nn.Linear(config.heads * config.head_dim, config.hidden, bias=config.bias)
+        self.rng = None  # this tensor rank's dropout stream, set by GPT.configure_tensor_parallel
+
+    def forward(self, x: torch.Tensor, out_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        qkv = self.qkv(x)  # [seq, batch, groups * (q_per_kv + 2) * head_dim]: whole sequence even under SP
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, -1, self.q_per_kv + 2, self.head_dim)
+        q = qkv[:, :, :, :self.q_per_kv].reshape(s, b, -1, self.head_dim).permute(1, 2, 0, 3)
+        k = qkv[:, :, :, self.q_per_kv].permute(1, 2, 0, 3)
+        v = qkv[:, :, :, self.q_per_kv + 1].permute(1, 2, 0, 3)
+        if self.q_per_kv > 1:
+            k = k.repeat_interleave(self.q_per_kv, dim=1)
+            v = v.repeat_interleave(self.q_per_kv, dim=1)
+        p = self.dropout if self.training else 0.0
+        with sharded_region(self.rng if p else None, x.device):
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = y.permute(2, 0, 1, 3).reshape(s, b, -1)
+        return self.proj(y) if out_bias is None else self.proj(y, bias=out_bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.hidden, config.ffn_hidden_resolved, bias=config.bias)
+        self.proj = nn.Linear(config.ffn_hidden_resolved, config.hidden, bias=config.bias)
+
+    def forward(self, x: torch.Tensor, out_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        y = F.gelu(self.fc(x))
+        return self.proj(y) if out_bias is None else self.proj(y, bias=out_bias)
+
+
+class Block(nn.Module):
+    """``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``, with dropout on each residual branch."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.hidden, eps=config.norm_eps, bias=config.bias)
+        self.attn = Attention(config)
+        self.ln2 = nn.LayerNorm(config.hidden, eps=config.norm_eps, bias=config.bias)
+        self.mlp = MLP(config)
+        self.dropout = config.dropout
+        self.tp = None
+
+    def _replicated(self):
+        """ln1/ln2 weights and biases and the two output biases. Under sequence parallelism each rank
+        sees a slice of the tokens, so these replicated parameters get partial gradients: they are
+        routed through one autograd all-reduce of their gradients (one collective per block backward)."""
+        ln = [self.ln1.weight, self.ln1.bias, self.ln2.weight, self.ln2.bias]
+        if not _sequence_parallel(self.tp):
+            return ln + [None, None]
+        tensors = ln + [self.attn.proj.bias, self.mlp.proj.bias]
+        present = [t for t in tensors if t is not None]
+        synced = iter(allreduce_grads_in_backward(present, self.tp.group))
+        return [None if t is None else next(synced) for t in tensors]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ln1_w, ln1_b, ln2_w, ln2_b, attn_b, mlp_b = self._replicated()
+        rng = self.tp.rng if _sequence_parallel(self.tp) else None  # residual stream is sharded under SP
+        h = F.layer_norm(x, self.ln1.normalized_shape, ln1_w, ln1_b, self.ln1.eps)
+        x = x + _dropout(self.attn(h, out_bias=attn_b), self.dropout, self.training, rng)
+        h = F.layer_norm(x, self.ln2.normalized_shape, ln2_w, ln2_b, self.ln2.eps)
+        return x + _dropout(self.mlp(h, out_bias=mlp_b), self.dropout, self.training, rng)
+
+
+class HeadLayer(nn.Module):
+    """``[seq(/p), batch, hidden]`` -> final norm -> logits ``[batch, seq, V]`` (vocabulary-split under TP)."""
+
+    def __init__(self, norm: nn.LayerNorm, head: nn.Module, tp=None):
+        super().__init__()
+        self.norm, self.head, self.tp = norm, head, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.norm.weight, self.norm.bias
+        if _sequence_parallel(self.tp):
+            weight, bias = allreduce_grads_in_backward([weight, bias], self.tp.group) if bias is not None \
+                else (allreduce_grads_in_backward([weight], self.tp.group)[0], None)
+        x = F.layer_norm(x, self.norm.normalized_shape, weight, bias, self.norm.eps)
+        gathers_itself = isinstance(self.head, ColumnParallelLinear) and self.head.sequence_parallel
+        if _sequence_parallel(self.tp) and not gathers_itself:
+            x = gather_from_sequence_region(x, self.tp.group, tensor_parallel_output_grad=False)
+        return self.head(x).transpose(0, 1)
+
+
+class GPT(nn.Module):
+    """The reference GPT. Module names (the plan's globs match them): ``embed``, ``pos_embed``,
+    ``blocks.<i>.{ln1, attn.qkv, attn.proj, ln2, mlp.fc, mlp.proj}``, ``norm``, ``head``."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab, config.hidden)
+        self.pos_embed = nn.Embedding(config.seq_len, config.hidden)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.norm = nn.LayerNorm(config.hidden, eps=config.norm_eps, bias=config.bias)
+        self.head = nn.Linear(config.hidden, config.vocab, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.tp = None
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        std = self.config.init_std
+        for name, p in self.named_parameters():  # one fixed order: the same numbers on every rank
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif ".ln" in name or name.startswith("norm"):
+                nn.init.ones_(p)
+            elif name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+                nn.init.normal_(p, 0.0, std / (2 * self.config.layers) ** 0.5)
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    def to_layers(self) -> list[nn.Module]:
+        """The model as a list of single-tensor-in, single-tensor-out layers; composed in order on token
+        ids they give the logits. Layers share this model's parameters (a tied head shares the
+        embedding's weight: if a pipeline puts them on different stages, their gradients must be summed
+        across those stages, as DeepSpeed's TiedLayerSpec does)."""
+        return [EmbeddingLayer(self.embed, self.pos_embed, self.config, self.tp), *self.blocks,
+                HeadLayer(self.norm, self.head, self.tp)]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = tokens
+        for layer in self.to_layers():
+            x = layer(x)
+        return x
+
+    # -- the tensor-parallel protocol used by plugin.tensor_parallel.apply_tensor_parallel
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        return {"embed": "vocab", "blocks.*.attn.qkv": "column", "blocks.*.attn.proj": "row",
+                "blocks.*.mlp.fc": "column", "blocks.*.mlp.proj": "row", "head": "vocab"}
+
+    def check_tensor_parallel(self, styles: Mapping[str, object], tp_size: int, sequence_parallel: bool) -> list[str]:
+        from .gpt_checks import check_gpt_plan
+
+        return check_gpt_plan(self.config, styles, tp_size, sequence_parallel)
+
+    def configure_tensor_parallel(self, ctx) -> None:
+        self.tp = ctx
+        for block in self.blocks:
+            block.tp = ctx
+            block.attn.rng = ctx.rng
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """Mean cross-entropy over every token of ``targets [batch, seq]``.
+
+    ``tp_group``: the tensor group when the logits are split by vocabulary (every sharded reference GPT:
+    its plan must split the head); the loss then never gathers them. ``None`` for whole logits.
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise TensorParallelError(f"gpt_loss: logits {tuple(logits.shape)} do not match targets "
+                                  f"{tuple(targets.shape)}; expected logits [batch, seq, vocab] for targets "
+                                  f"[batch, seq]")
+    return vocab_parallel_cross_entropy(logits, targets, tp_group)

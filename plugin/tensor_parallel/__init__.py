@@ -1,0 +1,30 @@
+"""Megatron-style tensor parallelism: autograd collectives, parallel layers, and plans that apply them.
+
+    from plugin.tensor_parallel import apply_tensor_parallel
+    model = apply_tensor_parallel(model, "auto", groups.tensor_group, sequence_parallel=False)
+
+Modules: :mod:`.comm` (f/g and the sequence-parallel collectives), :mod:`.layers` (column, row and
+vocabulary-split layers), :mod:`.fused` (the column matmul with its overlapped backward collective),
+:mod:`.cross_entropy`, :mod:`.random` (dropout streams), :mod:`.plan`
+(``apply_tensor_parallel``), :mod:`.auto` (the "auto" plans), :mod:`.sharding` (slicing math),
+:mod:`.state` (whole tensors back from the shards).
+"""
+from .comm import (allreduce_grads_in_backward, copy_to_tensor_region, gather_from_sequence_region,
+                   gather_from_tensor_region, reduce_from_tensor_region, reduce_scatter_to_sequence_region,
+                   scatter_to_sequence_region, scatter_to_tensor_region)
+from .context import TensorParallelContext
+from .cross_entropy import vocab_parallel_cross_entropy
+from .errors import TensorParallelError
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLinear
+from .plan import apply_tensor_parallel, padding_report, parse_style, resolve_plan
+from .random import TensorParallelRNG
+from .state import full_state_dict, full_tensor
+
+__all__ = [
+    "apply_tensor_parallel", "resolve_plan", "parse_style", "padding_report",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelLinear",
+    "vocab_parallel_cross_entropy", "TensorParallelRNG", "TensorParallelContext", "TensorParallelError",
+    "copy_to_tensor_region", "reduce_from_tensor_region", "scatter_to_tensor_region", "gather_from_tensor_region",
+    "scatter_to_sequence_region", "gather_from_sequence_region", "reduce_scatter_to_sequence_region",
+    "allreduce_grads_in_backward", "full_tensor", "full_state_dict",
+]

@@ -1,0 +1,80 @@
+"""Random streams for dropout under tensor parallelism.
+
+Two kinds of region need two kinds of randomness:
+
+* replicated region (the residual stream without sequence parallelism, norms, embeddings): every tensor
+  rank holds the same activations, so their dropout masks must agree, or the replicas drift apart. That
+  is torch's default generator, seeded the same on every rank of the tensor group.
+* sharded region (attention probabilities of this rank's heads, and with sequence parallelism the
+  residual stream on this rank's slice of the sequence): each rank holds different numbers, and their
+  masks must be independent, or heads on different ranks are dropped in lockstep.
+
+:class:`TensorParallelRNG` keeps the second stream (seeded ``seed + 2718 + tp_rank``, Megatron's offset)
+and :meth:`TensorParallelRNG.fork` swaps it in for the duration of a ``with`` block, leaving the default
+stream exactly where it was. No global state: the object is held by the model that uses it.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional, Union
+
+import torch
+
+SEED_OFFSET = 2718
+
+
+def _device_module(device: torch.device):
+    return None if device.type == "cpu" else getattr(torch, device.type)
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    module = _device_module(device)
+    return torch.get_rng_state() if module is None else module.get_rng_state(device)
+
+
+def _set_state(device: torch.device, state: torch.Tensor) -> None:
+    module = _device_module(device)
+    if module is None:
+        torch.set_rng_state(state)
+    else:
+        module.set_rng_state(state, device)
+
+
+class TensorParallelRNG:
+    """The per-tensor-rank random stream for dropout inside sharded regions.
+
+    ``seed`` must be the same on every rank of the tensor group (``torch.initial_seed()`` after a common
+    ``torch.manual_seed`` is); the stream's seed is ``seed + 2718 + tp_rank``, so tensor ranks differ and
+    a rerun with the same seed repeats. One state is kept per device (CPU, ``cuda:0``...), created on
+    first use.
+    """
+
+    def __init__(self, seed: int, tp_rank: int):
+        self.seed = int(seed) + SEED_OFFSET + int(tp_rank)
+        self._states: dict[str, torch.Tensor] = {}
+
+    def _initial_state(self, device: torch.device) -> torch.Tensor:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(self.seed)
+        return generator.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, device: Union[torch.device, str, None] = None) -> Iterator[None]:
+        """Inside the block, ``device``'s default generator is this rank's stream (CPU if not given)."""
+        device = torch.device(device if device is not None else "cpu")
+        if device.type != "cpu" and device.index is None:
+            device = torch.device(device.type, _device_module(device).current_device())
+        key = str(device)
+        saved = _get_state(device)
+        state = self._states.get(key)
+        _set_state(device, state if state is not None else self._initial_state(device))
+        try:
+            yield
+        finally:
+            self._states[key] = _get_state(device)
+            _set_state(device, saved)
+
+
+def sharded_region(rng: Optional[TensorParallelRNG], device=None):
+    """``rng.fork(device)``, or a no-op context without tensor parallelism (``rng`` is None)."""
+    return contextlib.nullcontext() if rng is None else rng.fork(device)

@@ -1,0 +1,128 @@
+"""Pieces of tensor parallelism that need no process: slicing and padding math, collectives of a group of
+one, the cross-entropy's single-rank form, the GPT's config and layer list, and groups in a 1-process world."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from plugin.models import GPT, GPTConfig, GPTConfigError
+from plugin.tensor_parallel import comm
+from plugin.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from plugin.tensor_parallel.sharding import padded_size, shard, shard_range, unshard
+
+
+@given(st.integers(1, 10_000), st.integers(1, 64))
+def test_padded_size_is_the_next_multiple(n, p):
+    padded = padded_size(n, p)
+    assert padded % p == 0 and n <= padded < n + p
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 3), st.integers(0, 1), st.integers(1, 5))
+def test_shard_then_unshard_is_identity(p, per, parts, dim, other):
+    rows = p * per * parts
+    full = torch.randn(rows, other) if dim == 0 else torch.randn(other, rows)
+    pieces = [shard(full, dim, p, r, parts=parts) for r in range(p)]
+    assert all(x.shape[dim] == rows // p for x in pieces)
+    assert torch.equal(unshard(pieces, dim, parts=parts), full)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 40))
+def test_padded_shards_cover_the_vocabulary_once(p, vocab):
+    full = torch.randn(vocab, 3)
+    pieces = [shard(full, 0, p, r, pad=True) for r in range(p)]
+    padded = padded_size(vocab, p)
+    assert [shard_range(padded, p, r) for r in range(p)][-1][1] == padded
+    assert torch.equal(unshard(pieces, 0, padding=padded - vocab), full)
+    assert torch.count_nonzero(torch.cat(pieces)[vocab:]) == 0, "padding rows are zeros"
+
+
+def test_collectives_of_no_group_return_the_input_itself():
+    x = torch.randn(4, 2, 6, requires_grad=True)
+    for fn in (comm.copy_to_tensor_region, comm.reduce_from_tensor_region, comm.scatter_to_tensor_region,
+               comm.gather_from_tensor_region, comm.scatter_to_sequence_region, comm.gather_from_sequence_region,
+               comm.reduce_scatter_to_sequence_region):
+        assert fn(x, None) is x, fn.__name__
+    assert comm.allreduce_grads_in_backward([x], None) == (x,)
+
+
+def test_cross_entropy_without_a_group_is_torchs():
+    logits, targets = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    targets[0, 0] = -100
+    expected = F.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1))
+    torch.testing.assert_close(vocab_parallel_cross_entropy(logits, targets, None), expected)
+    padded = torch.cat([logits, torch.randn(2, 5, 1)], dim=-1)
+    torch.testing.assert_close(vocab_parallel_cross_entropy(padded, targets, None, vocab_size=11), expected)
+
+
+def test_gpt_config_from_recipe_model_and_its_errors():
+    from plugin.recipe import Model
+
+    config = GPTConfig.from_recipe_model(Model(layers=2, hidden=64, heads=8, vocab=100, seq_len=32, kv_heads=2),
+                                         tie_embeddings=True)
+    assert (config.kv_heads_resolved, config.ffn_hidden_resolved, config.q_per_kv) == (2, 256, 4)
+    with pytest.raises(GPTConfigError, match="hidden 30 is not divisible by heads 4"):
+        GPTConfig(vocab=10, hidden=30, layers=1, heads=4, seq_len=4)
+    with pytest.raises(GPTConfigError, match="no field"):
+        GPTConfig.from_recipe_model(Model(layers=1, hidden=8, heads=2, vocab=10, seq_len=4), colour="red")
+
+
+def test_gpt_is_deterministic_and_its_layers_compose_to_it():
+    config = GPTConfig(vocab=50, hidden=16, layers=2, heads=4, kv_heads=2, seq_len=8)
+    torch.manual_seed(3)
+    a = GPT(config)
+    torch.manual_seed(3)
+    b = GPT(config)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    tokens = torch.randint(0, 50, (3, 8))
+    layers = a.to_layers()
+    assert len(layers) == config.layers + 2
+    x = tokens
+    for layer in layers:
+        assert isinstance(x, torch.Tensor)
+        x = layer(x)
+    assert x.shape == (3, 8, 50)
+    torch.testing.assert_close(x, a(tokens), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="more than the configured seq_len 8"):
+        a(torch.randint(0, 50, (1, 9)))
+
+
+@pytest.fixture
+def one_process_world():
+    from socket import socket
+
+    with socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    yield
+    dist.destroy_process_group()
+
+
+def test_build_groups_needs_an_initialized_world():
+    from plugin.groups import GroupError, build_groups
+    from plugin.topology import Topology
+
+    assert not dist.is_initialized()
+    with pytest.raises(GroupError, match="init_process_group"):
+        build_groups(Topology())
+
+
+def test_build_groups_in_a_one_process_world(one_process_world):
+    from plugin.groups import GroupError, build_groups
+    from plugin.topology import Topology
+
+    groups = build_groups(Topology())
+    assert groups.tensor_group is groups.data_group is groups.model_group is dist.group.WORLD
+    assert (groups.get_tensor_model_parallel_world_size(), groups.get_data_parallel_world_size(),
+            groups.get_model_parallel_rank()) == (1, 1, 0)
+    with pytest.raises(GroupError, match="needs 2 processes but 1 were launched"):
+        build_groups(Topology(tp_size=2))

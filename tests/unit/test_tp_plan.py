@@ -1,0 +1,131 @@
+"""Tensor-parallel plans without processes: every user error is caught before any swap, names the module,
+the values and the fix; tp=1 (no group) swaps layers and computes the same function."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from plugin.models import GPT, GPTConfig, gpt_loss
+from plugin.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelError,
+                                    apply_tensor_parallel, padding_report, parse_style, resolve_plan)
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 30), nn.GELU(), nn.Linear(30, 8), nn.LayerNorm(8))
+
+
+def gpt(**kw):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{**dict(vocab=37, hidden=32, layers=2, heads=8, kv_heads=4, seq_len=8), **kw}))
+
+
+def problems_of(model, plan, tp, **kw) -> str:
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(TensorParallelError) as info:
+        resolve_plan(model, plan, tp, **kw)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), "a rejected plan must leave the model untouched"
+    return str(info.value)
+
+
+def test_styles_parse_and_unknown_styles_list_the_accepted_ones():
+    assert parse_style("column:3").parts == 3
+    assert parse_style("colwise").kind == "column" and parse_style("rowwise").kind == "row"
+    assert parse_style("vocab_gather").gather_output
+    with pytest.raises(ValueError, match="column_gather"):
+        parse_style("diagonal")
+
+
+def test_glob_matching_nothing_names_the_glob_and_suggests():
+    text = problems_of(mlp(), {"0": "column", "3x": "row"}, 2)
+    assert "'3x' matches no module of Sequential; its linear/embedding modules are named like '0', '2'" in text
+    plan = dict(gpt().tensor_parallel_plan(), **{"blocks.*.atn.qkv": "column"})
+    assert "'blocks.*.atn.qkv' matches no module of GPT; did you mean 'blocks.*.attn.qkv'" in problems_of(gpt(), plan, 2)
+
+
+def test_style_that_does_not_fit_names_the_module():
+    text = problems_of(mlp(), {"3": "column"}, 2)
+    assert "module '3' (LayerNorm)" in text and "'replicate'" in text
+    text = problems_of(nn.Sequential(nn.Embedding(10, 4)), {"0": "row"}, 2)
+    assert "module '0' (nn.Embedding 10x4)" in text and "'vocab'" in text
+    text = problems_of(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0)), {"0": "vocab"}, 2)
+    assert "does not support its option(s) ['max_norm']" in text
+
+
+def test_dimension_not_divisible_names_module_and_values():
+    text = problems_of(mlp(), {"0": "column", "2": "row"}, 4)
+    assert "module '0' (Linear 8->30): 30 output features are not divisible by tensor size 4" in text
+    assert "module '2' (Linear 30->8): 30 input features are not divisible by tensor size 4" in text
+
+
+def test_all_problems_are_reported_at_once():
+    err = pytest.raises(TensorParallelError, resolve_plan, mlp(), {"0": "column", "2": "row", "zz": "row",
+                                                                    "1": "sideways"}, 4).value
+    assert len(err.problems) == 4, err.problems
+
+
+def test_two_globs_giving_one_module_two_styles():
+    assert "matched by '0' (column) and by '*0' (row)" in problems_of(mlp(), {"0": "column", "*0": "row"}, 2)
+
+
+def test_tied_weights_must_be_split_alike():
+    model = gpt(tie_embeddings=True)
+    plan = dict(model.tensor_parallel_plan(), head="replicate")
+    text = problems_of(model, plan, 2)
+    assert "'embed', 'head' share one weight" in text
+
+
+def test_gpt_checks_heads_pairs_head_and_sequence():
+    assert "kv_heads 4 cannot be split whole over tensor size 8" in problems_of(gpt(), "auto", 8)
+    plan = dict(gpt().tensor_parallel_plan(), **{"blocks.*.attn.proj": "replicate"})
+    assert "blocks.0: attn.qkv is 'column' and attn.proj is 'whole'" in problems_of(gpt(), plan, 2)
+    plan = dict(gpt().tensor_parallel_plan(), head="replicate")
+    assert "head is 'whole'" in problems_of(gpt(), plan, 2)
+    assert "seq_len 6 is not divisible by tensor size 4" in problems_of(gpt(seq_len=6), "auto", 4,
+                                                                           sequence_parallel=True)
+
+
+def test_sequence_parallel_needs_a_model_that_supports_it():
+    assert "sequence parallelism needs a model" in problems_of(mlp(), {"0": "column", "2": "row"}, 2,
+                                                              sequence_parallel=True)
+
+
+def test_auto_on_an_unknown_model_says_what_to_pass():
+    with pytest.raises(TensorParallelError, match="no automatic tensor-parallel plan for Sequential"):
+        resolve_plan(mlp(), "auto", 2)
+
+
+def test_gpt2_fused_qkv_must_be_split_in_three_parts():
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=4,
+                                                                 n_positions=8, bos_token_id=0, eos_token_id=0))
+    assert set(resolve_plan(model, "auto", 2)) == {"transformer.wte", "lm_head", "transformer.h.0.attn.c_attn",
+                                                  "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
+                                                  "transformer.h.0.mlp.c_proj"}
+    text = problems_of(model, {"transformer.h.*.attn.c_attn": "column", "transformer.h.*.attn.c_proj": "row"}, 2)
+    assert "style 'column:3'" in text
+    assert "4 attention heads cannot be split whole over tensor size 8" in problems_of(
+        model, {"transformer.h.*.attn.c_attn": "column:3"}, 8)
+
+
+def test_without_a_group_the_swapped_sequential_computes_the_same():
+    whole, split = mlp(), mlp()
+    apply_tensor_parallel(split, {"0": "column", "2": "row"}, None)
+    assert isinstance(split[0], ColumnParallelLinear) and isinstance(split[2], RowParallelLinear)
+    assert split[0].weight.tensor_model_parallel and not hasattr(split[2].bias, "tensor_model_parallel")
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(split(x), whole(x))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_without_a_group_the_gpt_computes_the_same(sequence_parallel):
+    whole, split = gpt(tie_embeddings=True), gpt(tie_embeddings=True)
+    apply_tensor_parallel(split, "auto", None, sequence_parallel=sequence_parallel)
+    assert split.head.weight is split.embed.weight
+    tokens = torch.randint(0, 37, (2, 8))
+    torch.testing.assert_close(gpt_loss(split(tokens), tokens), gpt_loss(whole(tokens), tokens), rtol=1e-6, atol=0)
+    assert padding_report(split) == {}
