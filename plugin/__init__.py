@@ -23,6 +23,8 @@ _LAZY = {
     "check_recipe": "checks",
     "load_recipe": "checks",
     "validate": "checks",
+    "initialize": "engine",
+    "Engine": "engines.base",
     "apply_tensor_parallel": "tensor_parallel.plan",
     "build_groups": "groups",
 }

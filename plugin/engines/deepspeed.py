@@ -106,12 +106,12 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
           loss_for: Callable) -> DeepSpeedEngine:
     """Wrap ``model`` per ``recipe``: ``apply_tp(model, tp_group)`` shards it, ``layers_of(model)`` lists its
     layers for a pipeline, ``loss_for(tp_group)`` gives the loss function."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
     import deepspeed
 
-    from ..groups import build_groups, groups_from_grid
+    from ..groups import ParallelGroups, build_groups
     from ..topology import Topology
 
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
     topology = Topology(layout.pipeline, layout.data, layout.tensor)
     use_ds_opt = _deepspeed_optimizer_builds(recipe, device)
