@@ -175,6 +175,9 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
         self.tp = None
+        # The two wrapper layers of to_layers(), made once (a tuple: not registered as submodules, so
+        # names and state_dict stay the GPT's own); their children are this model's modules.
+        self._ends = (EmbeddingLayer(self.embed, self.pos_embed, config), HeadLayer(self.norm, self.head))
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -191,11 +194,22 @@ class GPT(nn.Module):
 
     def to_layers(self) -> list[nn.Module]:
         """The model as a list of single-tensor-in, single-tensor-out layers; composed in order on token
-        ids they give the logits. Layers share this model's parameters (a tied head shares the
-        embedding's weight: if a pipeline puts them on different stages, their gradients must be summed
-        across those stages, as DeepSpeed's TiedLayerSpec does)."""
-        return [EmbeddingLayer(self.embed, self.pos_embed, self.config, self.tp), *self.blocks,
-                HeadLayer(self.norm, self.head, self.tp)]
+        ids they give the logits. The layers are this model's own modules, the same objects on every
+        call, and sharding the model later (``apply_tensor_parallel``) updates them in place: a pipeline
+        engine may build its stages first and shard afterwards, with its own grid's tensor group.
+        A tied head shares the embedding's weight: if a pipeline puts them on different stages, their
+        gradients must be summed across those stages (as DeepSpeed's TiedLayerSpec does)."""
+        self._sync_ends()
+        embedding, head = self._ends
+        return [embedding, *self.blocks, head]
+
+    def _sync_ends(self) -> None:
+        embedding, head = self._ends
+        for wrapper, names in ((embedding, ("embed", "pos_embed")), (head, ("norm", "head"))):
+            for name in names:
+                if getattr(wrapper, name) is not getattr(self, name):  # swapped by a tensor-parallel plan
+                    setattr(wrapper, name, getattr(self, name))
+            wrapper.tp = self.tp
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = tokens
@@ -218,6 +232,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             block.tp = ctx
             block.attn.rng = ctx.rng
+        self._sync_ends()
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor, tp_group=None) -> torch.Tensor:

@@ -227,7 +227,9 @@ def apply_tensor_parallel(model: nn.Module, plan: Union[str, Mapping[str, str]],
 
     Models may implement ``tensor_parallel_plan()`` (used by "auto"), ``check_tensor_parallel(styles,
     tp_size, sequence_parallel) -> list[str]`` and ``configure_tensor_parallel(ctx)``, called after the swap
-    with a :class:`TensorParallelContext`.
+    with a :class:`TensorParallelContext` (the reference GPT does all three). A model without the last one
+    (transformers models) draws dropout inside split regions from torch's default stream, the same on
+    every tensor rank: still correct, but the masks of heads on different ranks are then alike.
     """
     tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
     assignment = resolve_plan(model, plan, tp_size, sequence_parallel=sequence_parallel)

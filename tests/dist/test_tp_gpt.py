@@ -36,7 +36,9 @@ def train_and_compare(group, config, sequence_parallel, steps=3):
     from plugin.tensor_parallel.sharding import is_sharded
 
     ref = make(config)
-    tp = apply_tensor_parallel(make(config), "auto", group, sequence_parallel=sequence_parallel)
+    tp = make(config)
+    layers = tp.to_layers()  # a pipeline engine may cut stages before sharding, with its grid's group
+    apply_tensor_parallel(tp, "auto", group, sequence_parallel=sequence_parallel)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
     opt_tp = torch.optim.SGD(tp.parameters(), lr=0.5, momentum=0.9)
     data = torch.Generator().manual_seed(7)
@@ -65,7 +67,7 @@ def train_and_compare(group, config, sequence_parallel, steps=3):
         opt_tp.step(); opt_tp.zero_grad()
     # the layer list (what a pipeline cuts into stages) composes to the model
     x = tokens
-    for layer in tp.to_layers():
+    for layer in layers:
         x = layer(x)
     torch.testing.assert_close(x, tp(tokens), rtol=0, atol=0)
 

@@ -124,8 +124,12 @@ def test_without_a_group_the_swapped_sequential_computes_the_same():
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_without_a_group_the_gpt_computes_the_same(sequence_parallel):
     whole, split = gpt(tie_embeddings=True), gpt(tie_embeddings=True)
+    layers = split.to_layers()  # taken before sharding, as a pipeline engine may
     apply_tensor_parallel(split, "auto", None, sequence_parallel=sequence_parallel)
     assert split.head.weight is split.embed.weight
+    assert [id(m) for m in split.to_layers()] == [id(m) for m in layers], "the layer list is stable"
+    assert layers[0].embed is split.embed and layers[-1].head is split.head, "and follows the swap"
     tokens = torch.randint(0, 37, (2, 8))
     torch.testing.assert_close(gpt_loss(split(tokens), tokens), gpt_loss(whole(tokens), tokens), rtol=1e-6, atol=0)
+    assert set(dict(split.named_parameters())) == set(dict(whole.named_parameters())), "same names"
     assert padding_report(split) == {}
