@@ -49,6 +49,23 @@ def engine_config(recipe, world_size: int, *, use_ds_optimizer: bool) -> dict:
     return cfg
 
 
+def count_each_gradient_once(module, tp_rank: int) -> None:
+    """Make DeepSpeed's gradient norm count every parameter of a pipeline exactly once.
+
+    With a PipelineModule, DeepSpeed's "model parallel" group is a whole pipeline (pipeline x tensor ranks)
+    and its non-ZeRO clipping counts a parameter only if it is marked model-parallel or the rank is that
+    group's rank 0 (first stage, tensor rank 0): the other stages' unsharded parameters would be left out
+    of the norm. Marking the unsharded parameters of tensor rank 0 on every stage counts each once; the
+    sharded ones (``tensor_model_parallel``) count on every tensor rank, as they should. ZeRO's own norm
+    uses the tensor rank and the same marks, so it agrees.
+    """
+    if tp_rank != 0:
+        return
+    for p in module.parameters():
+        if not getattr(p, "tensor_model_parallel", False):
+            p.model_parallel = True
+
+
 class DeepSpeedEngine(Engine):
     backend = "deepspeed"
 
@@ -130,6 +147,7 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
         loss_fn = module.loss_fn = loss_for(groups.get_tensor_model_parallel_group())
         if layout.tensor > 1:
             apply_tp(model, groups.get_tensor_model_parallel_group())
+        count_each_gradient_once(module, groups.tp_rank)
         module.to(device)
         mpu = None  # DeepSpeed requires mpu=None with a PipelineModule; it uses the module's grid
     else:

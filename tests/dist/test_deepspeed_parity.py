@@ -24,6 +24,7 @@ LAYOUTS = {  # name -> (base recipe, replaced blocks)
     "cpu_zero3_dp4": ("cpu_zero3_dp4", {}),
     "cpu_tp2_dp2": ("cpu_tp2_dp2", {}),
     "cpu_pp2_dp2": ("cpu_pp2_dp2", {}),
+    "cpu_pp2_dp2_zero0": ("cpu_pp2_dp2", {"zero": {"stage": 0}}),  # DeepSpeed's non-ZeRO clipping path
     "cpu_tp2_pp2": ("cpu_tp2_pp2", {}),
 }
 
