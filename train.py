@@ -118,6 +118,7 @@ def main(argv=None):
               + (f"; checkpoint in {args.save}" if args.save else ""), file=sys.stderr)
     if metrics:
         metrics.close()
+    engine.close()
     return 0
 
 

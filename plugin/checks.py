@@ -46,6 +46,14 @@ def check_batch_and_world(recipe: Recipe, layout: Optional[Layout]) -> Problems:
                       "some stages would idle the whole step",
                       f'give at least {pp} micro-batches: "grad_accum": {pp} (global {good} at micro '
                       f"{layout.micro_batch})")
+    if pp > 1 and recipe.pipeline_parallel.schedule == "interleaved_1f1b" and layout.micro_batches >= pp:
+        m = layout.micro_batches
+        rounds = max(1, m // pp)
+        if m % rounds:
+            good = sorted({pp * (m // pp), pp * (m // pp + 1)})
+            yield Problem("$.batch.grad_accum", f"interleaved 1F1B (torch.distributed.pipelining) runs micro-batches "
+                          f"in rounds of pipeline {pp}: {m} micro-batches make {rounds} rounds of unequal size",
+                          f"use a multiple of {pp} micro-batches per step ({' or '.join(map(str, good))})")
     if pp > 1:
         v = recipe.pipeline_parallel.virtual_stages
         bubble = (pp - 1) / (v * layout.micro_batches)
@@ -136,19 +144,25 @@ def check_pipeline(recipe: Recipe, layout: Optional[Layout]) -> Problems:
                           'write "type:" followed by a Python regex matching layer class names, e.g. "type:Block"')
 
 
-def check_native_back_end(recipe: Recipe, layout: Optional[Layout]) -> Problems:
-    """Offload limits of the native back end, when the recipe chooses it explicitly."""
-    if recipe.launcher not in ("accelerate", "torchrun"):
-        return
+def native_back_end_problems(recipe: Recipe) -> Problems:
+    """What the native back end (DDP / ZeroRedundancyOptimizer / FSDP2) cannot do: DeepSpeed's nvme offload,
+    and offload below ZeRO-2. Also checked at run time when that back end is chosen because deepspeed is
+    missing (:func:`plugin.engine.initialize`)."""
     z = recipe.zero
     if "nvme" in (z.offload_param, z.offload_optimizer):
-        yield Problem("$.zero", f'nvme offload is DeepSpeed\'s (ZeRO-Infinity); "launcher": "{recipe.launcher}" '
-                      "runs the native back end, which offloads to CPU only",
-                      'use "cpu" offload, or "launcher": "deepspeed"')
+        yield Problem("$.zero", "nvme offload is DeepSpeed's (ZeRO-Infinity); the native back end (chosen by "
+                      f'"launcher": "{recipe.launcher}", or because deepspeed is missing) offloads to CPU only',
+                      'use "cpu" offload, or "launcher": "deepspeed" with deepspeed installed')
     elif z.offload_optimizer != "none" and z.stage < 2:
         yield Problem("$.zero.offload_optimizer", f"the native back end offloads through FSDP2 (ZeRO stage 2/3); "
                       f"stage {z.stage} runs DDP/ZeroRedundancyOptimizer, which cannot offload",
-                      'set "stage": 2 or 3, or "launcher": "deepspeed"')
+                      'set "stage": 2 or 3, or "launcher": "deepspeed" with deepspeed installed')
+
+
+def check_native_back_end(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+    """Offload limits of the native back end, when the recipe chooses it explicitly."""
+    if recipe.launcher in ("accelerate", "torchrun"):
+        yield from native_back_end_problems(recipe)
 
 
 def check_precision_and_optimizer(recipe: Recipe, layout: Optional[Layout]) -> Problems:

@@ -18,19 +18,17 @@ from .recipe import Recipe
 from .runtime import check_launch, check_model, ensure_single_process_env, launch_env
 
 
-def choose_backend(recipe: Recipe) -> str:
-    """"deepspeed" when importable and the recipe allows it, else "native"."""
-    if recipe.launcher in ("accelerate", "torchrun"):
-        return "native"
-    deepspeed_ok = importlib.util.find_spec("deepspeed") is not None
-    if recipe.launcher == "deepspeed":
-        if not deepspeed_ok:
-            raise PluginError('the recipe says "launcher": "deepspeed" but deepspeed is not installed -> '
-                              'pip install deepspeed (with torch pinned), or set "launcher": "auto"')
-        return "deepspeed"
-    if recipe.parallelism.pipeline > 1 and recipe.pipeline_parallel.schedule != "1f1b":
-        return "native"  # DeepSpeed's PipelineEngine runs 1F1B only
-    return "deepspeed" if deepspeed_ok else "native"
+def choose_backend(recipe: Recipe, env=None, device_type: Optional[str] = None) -> str:
+    """"deepspeed", "accelerate" or "native" for ``recipe`` in this process (:func:`plugin.backends.choose`)."""
+    from .backends import choose
+
+    if device_type is None:
+        import torch
+
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    env = env or launch_env()
+    return choose(recipe, recipe.layout(env.world_size), environ=os.environ,
+                  has_deepspeed=importlib.util.find_spec("deepspeed") is not None, cuda=device_type == "cuda")
 
 
 def _device(env):
@@ -68,7 +66,7 @@ def initialize(model, recipe: Union[Recipe, str, Path], *, loss_fn: Optional[Cal
     pipelines an ordered list of layers, an ``nn.Sequential`` or a model with ``to_layers()``.
     ``loss_fn(output, labels)``: defaults to next-token cross entropy, vocab-parallel when the head is sharded.
     ``world_size``: the world the caller expects; it must equal the launcher's WORLD_SIZE.
-    ``backend``: "deepspeed" or "native" to override :func:`choose_backend`.
+    ``backend``: "deepspeed", "accelerate" or "native" to override :func:`choose_backend`.
     Raises :class:`RecipeError` with every problem, before building anything, when the recipe does not fit the
     launched world or the model.
     """
@@ -88,7 +86,13 @@ def initialize(model, recipe: Union[Recipe, str, Path], *, loss_fn: Optional[Cal
     layout = recipe.layout(env.world_size)
     ensure_single_process_env()
     device = _device(env)
-    backend = backend or choose_backend(recipe)
+    backend = backend or choose_backend(recipe, env, device.type)
+    if backend in ("native", "accelerate"):
+        from .checks import native_back_end_problems
+
+        problems = [p.with_file(recipe.source) for p in native_back_end_problems(recipe)]
+        if problems and backend == "native":
+            _fail(problems, env)
     from .tp_plan import tensor_parallel_hooks
 
     apply_tp, loss_for = tensor_parallel_hooks(model, recipe, loss_fn)
@@ -96,7 +100,9 @@ def initialize(model, recipe: Union[Recipe, str, Path], *, loss_fn: Optional[Cal
         from .engines.deepspeed import build
     elif backend == "native":
         from .engines.native import build
+    elif backend == "accelerate":
+        from .engines.accelerate_engine import build
     else:
-        raise PluginError(f'unknown backend {backend!r} -> use "deepspeed" or "native"')
+        raise PluginError(f'unknown backend {backend!r} -> use "deepspeed", "accelerate" or "native"')
     return build(model, recipe, layout, env, device=device, layers_of=layers_of, apply_tp=apply_tp,
                  loss_for=loss_for)

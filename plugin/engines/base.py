@@ -7,6 +7,7 @@ optimizer step, and returns the mean loss over the whole global batch: the same 
 from __future__ import annotations
 
 import abc
+import time
 from typing import Any, Optional
 
 import torch
@@ -45,6 +46,19 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def load(self, directory: str) -> dict:
         """Restore a checkpoint written by :meth:`save`; returns the ``client_state`` saved with it."""
+
+    def close(self) -> None:
+        """Wait for every rank, then tear the process groups down (all ranks, once, at the end).
+
+        Without it a gloo job can hang or abort at exit: a process group destroyed while the interpreter holds
+        the GIL (garbage collection, finalisation) joins its worker threads, and a worker still releasing a
+        finished work's tensors waits for that GIL (gloo's barrier keeps the previous works alive until its
+        own release). The pause lets the workers drop them before anything is destroyed.
+        """
+        if dist.is_initialized():
+            dist.barrier()
+            time.sleep(0.1)
+            dist.destroy_process_group()
 
     # ------------------------------------------------------------------ shared helpers
     @property

@@ -74,6 +74,13 @@ class TensorParallelRNG:
             self._states[key] = _get_state(device)
             _set_state(device, saved)
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The stream's state per device, for checkpoints (an unused stream has none yet)."""
+        return {key: state.clone() for key, state in self._states.items()}
+
+    def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:
+        self._states = {key: state.clone() for key, state in states.items()}
+
 
 def sharded_region(rng: Optional[TensorParallelRNG], device=None):
     """``rng.fork(device)``, or a no-op context without tensor parallelism (``rng`` is None)."""

@@ -1,0 +1,63 @@
+"""Which back end trains a recipe: pure decisions from the recipe, the launcher's environment and what is
+installed (no torch import; :func:`plugin.engine.choose_backend` feeds in the live values).
+
+* ``"deepspeed"``: DeepSpeed is importable and the recipe allows it (launcher auto/deepspeed; a pipeline
+  schedule DeepSpeed runs, i.e. 1F1B), and the job was not started by ``accelerate launch``.
+* ``"accelerate"``: started by ``accelerate launch`` (launcher auto/accelerate) and the recipe needs nothing
+  Accelerate cannot carry (:func:`accelerate_mode`): ``Accelerator`` itself trains, with DDP, its
+  DeepSpeed plugin or its FSDP2 plugin.
+* ``"native"``: everything else: DeepSpeed missing, launcher torchrun/accelerate, tensor or pipeline
+  parallelism under ``accelerate launch``, or what Accelerate cannot do on this device.
+
+``accelerate launch`` is recognised by ``ACCELERATE_MIXED_PRECISION``, which its simple, multi-GPU/CPU and
+DeepSpeed launchers all export to every process they start (accelerate 1.x, ``utils/launch.py``);
+``ACCELERATE_USE_CPU`` is not a sign of it (users export that one themselves).
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+from .errors import PluginError
+
+ACCELERATE_MARK = "ACCELERATE_MIXED_PRECISION"
+
+
+def launched_by_accelerate(environ: Mapping[str, str]) -> bool:
+    return ACCELERATE_MARK in environ
+
+
+def accelerate_mode(recipe, layout, *, cuda: bool, has_deepspeed: bool) -> tuple[Optional[str], str]:
+    """(``"ddp"`` | ``"deepspeed"`` | ``"fsdp"`` | None, why): how ``Accelerator`` carries the recipe, or None
+    with the reason the native back end must (under the same ``accelerate launch``)."""
+    if layout.tensor > 1 or layout.pipeline > 1:
+        return None, ("tensor/pipeline parallelism: Accelerate takes no custom process groups, so the plugin's "
+                      "native back end builds them")
+    if recipe.precision == "fp16" and not cuda:
+        return None, "fp16 on CPU: Accelerate would silently train in fp32 there; the native back end autocasts"
+    z = recipe.zero
+    if z.stage == 0:
+        return "ddp", "ZeRO-0: Accelerate's DistributedDataParallel"
+    if has_deepspeed:
+        return "deepspeed", f"ZeRO-{z.stage}: Accelerate's DeepSpeed plugin with the recipe's ds_config"
+    if z.stage >= 2 and cuda and "nvme" not in (z.offload_param, z.offload_optimizer):
+        return "fsdp", f"ZeRO-{z.stage}: Accelerate's FSDP2 plugin (deepspeed is not installed)"
+    if z.stage == 1:
+        return None, "ZeRO-1 without deepspeed: Accelerate has no optimizer-state sharding; ZeroRedundancyOptimizer"
+    return None, f"ZeRO-{z.stage} on CPU without deepspeed: Accelerate's FSDP needs an accelerator; FSDP2 directly"
+
+
+def choose(recipe, layout, *, environ: Mapping[str, str], has_deepspeed: bool, cuda: bool) -> str:
+    """The back end for ``recipe`` (see the module docstring)."""
+    if recipe.launcher == "deepspeed":
+        if not has_deepspeed:
+            raise PluginError('the recipe says "launcher": "deepspeed" but deepspeed is not installed -> '
+                              'pip install deepspeed (with torch pinned), or set "launcher": "auto"')
+        return "deepspeed"
+    if launched_by_accelerate(environ) and recipe.launcher in ("auto", "accelerate"):
+        mode, _ = accelerate_mode(recipe, layout, cuda=cuda, has_deepspeed=has_deepspeed)
+        return "accelerate" if mode else "native"
+    if recipe.launcher in ("accelerate", "torchrun"):
+        return "native"
+    if layout.pipeline > 1 and recipe.pipeline_parallel.schedule != "1f1b":
+        return "native"  # DeepSpeed's PipelineEngine runs 1F1B only
+    return "deepspeed" if has_deepspeed else "native"

@@ -1,0 +1,182 @@
+"""Accelerate's own ``Accelerator`` under ``accelerate launch``, for recipes it can carry (tensor = pipeline = 1;
+:func:`plugin.backends.accelerate_mode` decides, anything else runs the native back end).
+
+The Accelerator is fed from the recipe, not from the launch flags:
+
+* ``device``: CPU unless CUDA is there (``cpu=True``: without it, ``--multi_gpu`` on CPU runs N copies that
+  never talk), ``mixed_precision`` from ``precision``, ``gradient_accumulation_steps = grad_accum``.
+* ``"ddp"`` (ZeRO-0): Accelerate's DistributedDataParallel (MULTI_CPU on gloo, MULTI_GPU on NCCL); clipping
+  through ``accelerator.clip_grad_norm_`` (torch's formula, the same as DeepSpeed's); fp16 on CUDA with a
+  ``GradScalerKwargs`` from the recipe's fp16 block.
+* ``"deepspeed"`` (ZeRO >= 1, deepspeed installed): a ``DeepSpeedPlugin`` whose config is the recipe's export
+  (:func:`plugin.engines.deepspeed.engine_config`) with the recipe's torch optimizer. On CPU this needs
+  ``InitProcessGroupKwargs(backend="gloo")`` and ``cpu=False`` with ``ACCELERATE_USE_CPU`` cleared in this
+  process (Accelerate otherwise drops the plugin and runs plain DDP, silently).
+* ``"fsdp"`` (ZeRO-2/3 on CUDA without deepspeed): ``FullyShardedDataParallelPlugin(fsdp_version=2)``,
+  ``reshard_after_forward`` for ZeRO-3, CPU offload from the recipe, each transformer layer class wrapped.
+
+After the Accelerator exists, its distributed type and process count are asserted against the launch
+(Accelerate's silent traps exit 0 with unsynchronised copies). Checkpoints are ``save_state`` /
+``load_state`` (model, optimizer, RNG states, scaler) with the step and client_state registered on them.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Callable, Optional
+
+import torch
+
+from ..errors import PluginError
+from ..optim import build_optimizer
+from .base import Engine
+
+_MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+
+
+class _Progress:
+    """The step counter and client_state, saved and loaded by ``save_state``/``load_state``."""
+
+    def __init__(self):
+        self.step, self.client_state = 0, {}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "client_state": dict(self.client_state)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.client_state = int(state["step"]), dict(state.get("client_state", {}))
+
+
+class AccelerateEngine(Engine):
+    backend = "accelerate"
+
+    def __init__(self, recipe, layout, topology, groups, accelerator, model, optimizer, loss_fn: Callable,
+                 mode: str):
+        super().__init__(recipe, layout, topology, groups, model, accelerator.device)
+        self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
+        self.loss_fn, self.mode = loss_fn, mode
+        self.progress = _Progress()
+        accelerator.register_for_checkpointing(self.progress)
+
+    def train_step(self, batch) -> float:
+        acc, clip = self.accelerator, float(self.recipe.gradient_clipping)
+        self.model.train()
+        losses = []
+        for inputs, labels in self.micro_batches(batch):
+            with acc.accumulate(self.model):
+                loss = self.loss_fn(self.model(inputs), labels)
+                acc.backward(loss)  # divides by grad_accum (DeepSpeed: its own backward does)
+                if acc.sync_gradients and clip > 0 and self.mode != "deepspeed":  # DeepSpeed clips itself
+                    acc.clip_grad_norm_(self.model.parameters(), clip)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach().float())
+        self.step_count += 1
+        return self.mean_over_data(torch.stack(losses).mean())
+
+    @torch.no_grad()
+    def eval_step(self, batch) -> float:
+        self.model.eval()
+        losses = [self.loss_fn(self.model(x), y).detach().float() for x, y in self.micro_batches(batch)]
+        return self.mean_over_data(torch.stack(losses).mean())
+
+    def save(self, directory: str, client_state: Optional[dict] = None) -> None:
+        self.progress.step, self.progress.client_state = self.step_count, dict(client_state or {})
+        self.accelerator.save_state(directory, safe_serialization=False)
+
+    def load(self, directory: str) -> dict:
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"no Accelerate checkpoint under {directory!r} -> give the directory that "
+                                    "--save wrote")
+        self.accelerator.load_state(directory)
+        self.step_count = self.progress.step
+        return {"step": self.step_count, **self.progress.client_state}
+
+    def state_bytes(self) -> dict[str, int]:
+        if self.mode == "deepspeed":
+            from .memory import deepspeed_state_bytes
+
+            return deepspeed_state_bytes(self.accelerator.deepspeed_engine_wrapped.engine)
+        from .native_common import param_bytes
+
+        params = list(self.model.parameters())
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)
+        states = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        return {"params": param_bytes(params), "grads": param_bytes([p for p in params if p.requires_grad]),
+                "optimizer": param_bytes(states)}
+
+
+
+def _plugins(mode: str, recipe, layout, world_size: int, cuda: bool, layer_classes: list[str]) -> dict:
+    from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs
+
+    kwargs: dict = {"kwargs_handlers": []}
+    if recipe.precision == "fp16" and mode != "deepspeed":
+        from ..recipe import LossScale
+
+        cfg = recipe.fp16 or LossScale()
+        scale = (dict(init_scale=float(cfg.loss_scale), growth_interval=2 ** 31 - 1) if cfg.loss_scale > 0 else
+                 dict(init_scale=float(2 ** cfg.initial_scale_power), growth_interval=cfg.loss_scale_window))
+        kwargs["kwargs_handlers"].append(GradScalerKwargs(**scale))
+    if mode == "deepspeed":
+        from accelerate.utils import DeepSpeedPlugin
+
+        from .deepspeed import engine_config
+
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=engine_config(recipe, world_size,
+                                                                                use_ds_optimizer=False))
+        if not cuda:
+            os.environ["ACCELERATE_USE_CPU"] = "false"  # else Accelerate forces cpu=True and drops the plugin
+            kwargs["kwargs_handlers"].append(InitProcessGroupKwargs(backend="gloo"))
+    elif mode == "fsdp":
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        z = recipe.zero
+        offload = "cpu" in (z.offload_param, z.offload_optimizer)
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
+            fsdp_version=2, reshard_after_forward=z.stage == 3,
+            cpu_offload=CPUOffloadPolicy() if offload else False, state_dict_type="SHARDED_STATE_DICT",
+            auto_wrap_policy="transformer_based_wrap" if layer_classes else "no_wrap",
+            transformer_cls_names_to_wrap=layer_classes or None)
+    else:
+        kwargs["cpu"] = not cuda
+    return kwargs
+
+
+def _check_accelerator(acc, mode: str, world_size: int) -> None:
+    from accelerate.utils import DistributedType as T
+
+    want = {"ddp": {T.MULTI_CPU, T.MULTI_GPU} if world_size > 1 else {T.NO, T.MULTI_CPU, T.MULTI_GPU},
+            "deepspeed": {T.DEEPSPEED}, "fsdp": {T.FSDP}}[mode]
+    if acc.num_processes != world_size or acc.distributed_type not in want:
+        raise PluginError(
+            f"Accelerate set up {acc.distributed_type.value} with {acc.num_processes} process(es), but this launch "
+            f"has {world_size} and the recipe needs {' or '.join(sorted(t.value for t in want))} -> launch with "
+            f"`accelerate launch --multi_gpu --num_processes {world_size}` (on CPU also ACCELERATE_USE_CPU=true), "
+            "not --cpu (one process), or use torchrun")
+
+
+def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callable, apply_tp: Callable,
+          loss_for: Callable) -> AccelerateEngine:
+    from accelerate import Accelerator
+
+    from ..backends import accelerate_mode
+    from ..groups import build_groups
+    from ..topology import Topology
+    from .native import fsdp_units
+
+    cuda = device.type == "cuda"
+    mode, why = accelerate_mode(recipe, layout, cuda=cuda, has_deepspeed=importlib.util.find_spec("deepspeed") is not None)
+    if mode is None:
+        raise PluginError(f"Accelerate cannot carry this recipe ({why}) -> let initialize choose the back end")
+    classes = sorted({type(m).__name__ for m in fsdp_units(model, layers_of)}) if mode == "fsdp" else []
+    acc = Accelerator(mixed_precision=_MIXED[recipe.precision], gradient_accumulation_steps=layout.grad_accum,
+                      **_plugins(mode, recipe, layout, env.world_size, cuda, classes))
+    _check_accelerator(acc, mode, env.world_size)
+    topology = Topology(layout.pipeline, layout.data, layout.tensor)
+    groups = build_groups(topology)
+    loss_fn = loss_for(groups.get_tensor_model_parallel_group())
+    optimizer = build_optimizer(model.parameters(), recipe.optimizer)
+    prepared, optimizer = acc.prepare(model, optimizer)
+    return AccelerateEngine(recipe, layout, topology, groups, acc, prepared, optimizer, loss_fn, mode)

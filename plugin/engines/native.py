@@ -1,0 +1,168 @@
+"""The native back end: the same recipes on PyTorch's own machinery, without DeepSpeed.
+
+How each ZeRO stage maps (over the data-parallel group of :func:`plugin.groups.build_groups`):
+
+* ZeRO-0: ``DistributedDataParallel`` over the data group; every rank holds whole parameters, gradients
+  and optimizer states; gradients are averaged by DDP's all-reduce at the last micro-batch.
+* ZeRO-1: DDP for the gradient average, and ``torch.distributed.optim.ZeroRedundancyOptimizer`` over the
+  data group: each rank keeps the optimizer states of its partition of the parameters, steps them, and
+  broadcasts the updated parameters (DeepSpeed's stage 1: optimizer states partitioned).
+* ZeRO-2: FSDP2 ``fully_shard(reshard_after_forward=False)`` on a 1-D data mesh (``DeviceMesh.from_group``):
+  parameters, gradients (reduce-scattered at every micro-batch) and optimizer states are sharded between
+  steps, and the gathered parameters stay from forward to backward (no second all-gather), as in
+  DeepSpeed's stage 2 where parameters are whole during the step.
+* ZeRO-3: FSDP2 ``fully_shard(reshard_after_forward=True)``: parameters are re-gathered for backward.
+* CPU offload (``offload_optimizer`` / ``offload_param`` "cpu", stage 2/3): FSDP2's ``CPUOffloadPolicy``
+  (sharded parameters, gradients and the optimizer step on the CPU). nvme offload is DeepSpeed's only.
+
+Each transformer layer (``layers_of(model)`` entries that are registered submodules of the model) is its
+own FSDP2 unit, then the root. Tensor parallelism shards the model first with the plugin's layers (plain
+tensors, one slice per tensor rank), so FSDP2 shards those slices further over the data group. Pipelines
+(``pipeline > 1``) are in :mod:`.native_pipeline`. Every engine clips by the global norm
+(:mod:`plugin.clip`) and averages the loss as the DeepSpeed back end does: mean over micro-batches, then
+over data ranks, the same float on every rank.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..optim import build_optimizer, optimizer_class_and_kwargs, param_groups
+from .native_common import NativeEngine, build_scaler, compute_dtype
+
+
+def init_process_group(device: torch.device) -> None:
+    """Join the launcher's rendezvous (env://): NCCL on CUDA, gloo on CPU."""
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+
+
+def tensor_sharded_names(module: torch.nn.Module) -> set[str]:
+    return {n for n, p in module.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+
+
+def ids_of(module: torch.nn.Module, names: set[str]) -> set[int]:
+    """Ids of the parameters called ``names`` now (FSDP2 replaces parameters by DTensor ones)."""
+    return {id(p) for n, p in module.named_parameters() if n in names}
+
+
+def fsdp_units(model: torch.nn.Module, layers_of: Callable) -> list[torch.nn.Module]:
+    """The layers FSDP2 shards one by one: entries of ``layers_of(model)`` that are submodules of ``model``
+    and share no parameter with another layer (tied weights stay with the root)."""
+    try:
+        layers = layers_of(model)
+    except Exception:  # no layer list: the root alone
+        return []
+    own = {id(m) for m in model.modules() if m is not model}
+    counts: dict[int, int] = {}
+    for layer in layers:
+        for p in layer.parameters():
+            counts[id(p)] = counts.get(id(p), 0) + 1
+    return [layer for layer in layers if id(layer) in own and any(True for _ in layer.parameters())
+            and all(counts[id(p)] == 1 for p in layer.parameters())]
+
+
+def shard_fsdp2(model, recipe, groups, device, layers_of: Callable):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = DeviceMesh.from_group(groups.get_data_parallel_group(), device.type, mesh_dim_names=("data",))
+    z = recipe.zero
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") \
+        if "cpu" in (z.offload_optimizer, z.offload_param) else OffloadPolicy()
+    dtype = compute_dtype(recipe)
+    inner = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+    root = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32) \
+        if dtype else MixedPrecisionPolicy()
+    reshard = z.stage == 3
+    for layer in fsdp_units(model, layers_of):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=inner, offload_policy=offload)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=root, offload_policy=offload)
+
+
+class DataParallelEngine(NativeEngine):
+    """pipeline = 1: DDP, DDP + ZeroRedundancyOptimizer, or FSDP2, with the plugin's tensor parallelism."""
+
+    def __init__(self, *args, wrapped, loss_fn: Callable, data_sharded: bool, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.wrapped = wrapped
+        self.loss_fn = loss_fn
+        self.data_sharded = data_sharded
+
+    def _no_sync(self, last: bool):
+        no_sync = getattr(self.wrapped, "no_sync", None)  # DDP: all-reduce once, at the last micro-batch
+        return contextlib.nullcontext() if last or no_sync is None else no_sync()
+
+    def train_step(self, batch) -> float:
+        self.wrapped.train()
+        micro = self.micro_batches(batch)
+        losses = []
+        for i, (inputs, labels) in enumerate(micro):
+            with self._no_sync(i == len(micro) - 1):
+                with self.autocast():
+                    loss = self.loss_fn(self.wrapped(inputs), labels)
+                self.scale(loss / len(micro)).backward()
+            losses.append(loss.detach().float())
+        self.optimizer_step()
+        return self.mean_over_data(torch.stack(losses).mean())
+
+    @torch.no_grad()
+    def eval_step(self, batch) -> float:
+        self.wrapped.eval()
+        losses = []
+        for inputs, labels in self.micro_batches(batch):
+            with self.autocast():
+                losses.append(self.loss_fn(self.wrapped(inputs), labels).detach().float())
+        return self.mean_over_data(torch.stack(losses).mean())
+
+
+def _optimizer(module, recipe, groups, zero1: bool):
+    if not zero1:
+        return build_optimizer(module.parameters(), recipe.optimizer)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    cls, kwargs = optimizer_class_and_kwargs(recipe.optimizer)
+    return ZeroRedundancyOptimizer(param_groups(module.parameters(), recipe.optimizer.weight_decay),
+                                   optimizer_class=cls, process_group=groups.get_data_parallel_group(), **kwargs)
+
+
+def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callable, apply_tp: Callable,
+          loss_for: Callable) -> NativeEngine:
+    """Shard ``model`` per ``recipe`` on torch's own machinery (the signature of every back end's build)."""
+    from ..groups import build_groups
+    from ..topology import Topology
+
+    init_process_group(device)
+    topology = Topology(layout.pipeline, layout.data, layout.tensor)
+    groups = build_groups(topology)
+    loss_fn = loss_for(groups.get_tensor_model_parallel_group())
+    if layout.pipeline > 1:
+        from .native_pipeline import build_pipeline
+
+        return build_pipeline(model, recipe, layout, topology, groups, device=device, layers_of=layers_of,
+                              apply_tp=apply_tp, loss_fn=loss_fn)
+    module = apply_tp(model, groups.get_tensor_model_parallel_group()) if layout.tensor > 1 else model
+    module.to(device)
+    sharded_names = tensor_sharded_names(module)
+    stage = recipe.zero.stage
+    if stage >= 2:
+        wrapped = shard_fsdp2(module, recipe, groups, device, layers_of)
+    elif layout.data > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(module, process_group=groups.get_data_parallel_group(),
+                                          device_ids=[device] if device.type == "cuda" else None,
+                                          gradient_as_bucket_view=True)
+    else:
+        wrapped = module
+    optimizer = _optimizer(module, recipe, groups, zero1=stage == 1 and layout.data > 1)
+    return DataParallelEngine(recipe, layout, topology, groups, module, device, container=module,
+                              optimizer=optimizer, scaler=build_scaler(recipe, device),
+                              tensor_sharded=ids_of(module, sharded_names), wrapped=wrapped, loss_fn=loss_fn,
+                              data_sharded=stage >= 2)

@@ -1,0 +1,167 @@
+"""Pipeline stages on ``torch.distributed.pipelining``, with the plugin's tensor parallelism and DDP / ZeRO-1
+over the data group.
+
+* The layer list (``layers_of(model)``) is cut into ``pipeline x virtual_stages`` stages by the recipe's
+  partition method (:mod:`plugin.pipeline`, DeepSpeed's cuts, counted before tensor sharding); pipeline rank
+  ``r`` holds stages ``r, r + pipeline, ...``. Each stage is a :class:`StageModule` (its layers, named by
+  their index in the layer list) inside a ``PipelineStage`` on the pipeline group.
+* Schedules: ``"gpipe"`` -> ``ScheduleGPipe``, ``"1f1b"`` -> ``Schedule1F1B``, ``"interleaved_1f1b"`` ->
+  ``ScheduleInterleaved1F1B`` (``virtual_stages`` chunks per rank), with ``n_microbatches = grad_accum``; the
+  schedule divides the accumulated gradients by the micro-batch count, like DeepSpeed's loss scaling.
+* Data parallelism: each stage module is wrapped in DDP over the data group (the stages all-reduce at their
+  last backward); ZeRO-1 adds ``ZeroRedundancyOptimizer`` over the same group. ZeRO-2/3 with pipeline > 1
+  is refused by the recipe checks (as DeepSpeed refuses it).
+* ``activation_checkpoint_interval = k``: every k consecutive layers of a stage run under
+  ``torch.utils.checkpoint`` (non-reentrant), as DeepSpeed's PipelineModule checkpoints layer ranges.
+* The loss: the last stage's micro-batch mean, averaged over its data group, broadcast over the pipeline
+  group, the same float on every rank (DeepSpeed's ``train_batch`` semantics).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..errors import PluginError
+from ..pipeline import stage_bounds, stages_of_rank
+from .native import _optimizer, tensor_sharded_names
+from .native_common import NativeEngine, build_scaler
+
+
+class StageModule(nn.Module):
+    """Consecutive layers of one stage, applied in order; keys are the layers' indices in the full list."""
+
+    def __init__(self, layers: dict[int, nn.Module], checkpoint_interval: int = 0):
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
+        self.checkpoint_interval = checkpoint_interval
+
+    def forward(self, x):
+        layers = list(self.layers.values())
+        k = self.checkpoint_interval
+        if not k or not torch.is_grad_enabled():
+            for layer in layers:
+                x = layer(x)
+            return x
+        for start in range(0, len(layers), k):
+            chunk = layers[start:start + k]
+            if any(p.requires_grad for layer in chunk for p in layer.parameters()):
+                x = checkpoint(_run, chunk, x, use_reentrant=False)
+            else:
+                x = _run(chunk, x)
+        return x
+
+
+def _run(layers, x):
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+
+
+def _shared_across_stages(layers, bounds) -> list[str]:
+    owner: dict[int, int] = {}
+    clashes = []
+    for s in range(len(bounds) - 1):
+        for i in range(bounds[s], bounds[s + 1]):
+            for name, p in layers[i].named_parameters():
+                if owner.setdefault(id(p), s) != s:
+                    clashes.append(f"{type(layers[i]).__name__} (layer {i}).{name}")
+    return clashes
+
+
+class PipelineEngine(NativeEngine):
+    def __init__(self, *args, schedule, stages, loss_fn: Callable, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.schedule, self.stages, self.loss_fn = schedule, stages, loss_fn
+        self.virtual_stages = len(stages)
+        self.holds_first = any(s.is_first for s in stages)
+        self.holds_last = any(s.is_last for s in stages)
+
+    def scaled_loss(self, output, labels):
+        """The schedule's loss_fn: the loss scaled for backward (fp16). The schedule also calls it on
+        placeholder tensors while it infers shapes, so losses are read from its ``losses`` list, not here."""
+        return self.scale(self.loss_fn(output, labels))
+
+    def _run(self, batch, train: bool) -> float:
+        inputs, labels = self.local_batch(batch)
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.holds_first else ()
+        target = labels if self.holds_last else None
+        for stage in self.stages:
+            stage.submod.train(train)
+        with self.autocast():
+            if train:
+                self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            else:
+                self.schedule.eval(*args, target=target, losses=losses)
+        if losses:
+            scale = float(self.scaler.get_scale()) if self.scaler is not None else 1.0  # a power of 2: exact
+            loss = torch.stack([l.detach().float() for l in losses]).mean() / scale
+        else:
+            loss = torch.zeros((), device=self.device)
+        if self.holds_last and self.layout.data > 1:
+            dist.all_reduce(loss, group=self.groups.get_data_parallel_group())
+            loss /= self.layout.data
+        last = self.groups.pipeline_ranks[-1]
+        loss = loss.reshape(1).to(self.device)
+        dist.broadcast(loss, src=last, group=self.groups.get_pipe_parallel_group())
+        return float(loss.item())
+
+    def train_step(self, batch) -> float:
+        loss = self._run(batch, train=True)
+        self.optimizer_step()
+        return loss
+
+    @torch.no_grad()
+    def eval_step(self, batch) -> float:
+        return self._run(batch, train=False)
+
+
+def build_pipeline(model, recipe, layout, topology, groups, *, device, layers_of: Callable, apply_tp: Callable,
+                   loss_fn: Callable) -> PipelineEngine:
+    from torch.distributed import pipelining
+
+    pp_cfg = recipe.pipeline_parallel
+    virtual = pp_cfg.virtual_stages if pp_cfg.schedule == "interleaved_1f1b" else 1
+    num_stages = layout.pipeline * virtual
+    whole = layers_of(model)  # counted before tensor sharding, as DeepSpeed counts them
+    counts = [sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in whole]
+    bounds = stage_bounds(pp_cfg.partition, [type(layer).__name__ for layer in whole], counts, num_stages)
+    clashes = _shared_across_stages(whole, bounds)
+    if clashes:
+        raise PluginError(f"parameters shared by layers on different pipeline stages: {', '.join(clashes[:4])}; "
+                          "torch.distributed.pipelining would train two copies apart -> untie them (for the "
+                          "reference GPT: tie_embeddings false), or use a partition that keeps them together")
+    if layout.tensor > 1:
+        apply_tp(model, groups.get_tensor_model_parallel_group())
+    layers = layers_of(model)  # the same objects, now sharded
+    mine = stages_of_rank(groups.pp_rank, layout.pipeline, virtual)
+    modules = {s: StageModule({i: layers[i] for i in range(bounds[s], bounds[s + 1])},
+                              pp_cfg.activation_checkpoint_interval).to(device) for s in mine}
+    container = nn.ModuleDict({str(s): m for s, m in modules.items()})
+    sharded_names = tensor_sharded_names(container)
+    zero1 = recipe.zero.stage == 1 and layout.data > 1
+    optimizer = _optimizer(container, recipe, groups, zero1=zero1)
+    stages = []
+    for s, module in modules.items():
+        if layout.data > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            module = DistributedDataParallel(module, process_group=groups.get_data_parallel_group(),
+                                             device_ids=[device] if device.type == "cuda" else None,
+                                             gradient_as_bucket_view=True)
+        stages.append(pipelining.PipelineStage(module, s, num_stages, device, group=groups.get_pipe_parallel_group()))
+    engine = PipelineEngine(recipe, layout, topology, groups, container, device, container=container,
+                            optimizer=optimizer, scaler=build_scaler(recipe, device),
+                            tensor_sharded={id(p) for n, p in container.named_parameters() if n in sharded_names},
+                            schedule=None, stages=stages, loss_fn=loss_fn)
+    cls = getattr(pipelining, _SCHEDULES[pp_cfg.schedule])
+    target = stages if pp_cfg.schedule == "interleaved_1f1b" else stages[0]
+    engine.schedule = cls(target, n_microbatches=layout.grad_accum, loss_fn=engine.scaled_loss)
+    return engine
