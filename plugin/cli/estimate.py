@@ -63,7 +63,7 @@ def _print(est) -> None:
           + (", sequence parallel" if s.sequence_parallel else ""))
     print(f"model: reference GPT, {spec.layers} layers, hidden {spec.hidden}, heads {spec.heads}, ffn {spec.ffn}, "
           f"vocab {spec.vocab}, seq {spec.seq_len}: {params_text(spec.total_params())} parameters "
-          f"(GELU MLP, LayerNorm, learned positions, tied embeddings; fused attention; "
+          f"(GELU MLP, LayerNorm, learned positions, untied output layer; fused attention; "
           f"dropout {'on' if s.dropout else 'off'})")
     total = est.memory.total
     rows = [(name, fmt_bytes(v), f"{v / total:.0%}" if total else "-") for name, v in est.memory.terms]
