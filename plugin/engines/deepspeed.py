@@ -35,11 +35,55 @@ def _deepspeed_optimizer_builds(recipe, device: torch.device) -> bool:
         return False
 
 
-def engine_config(recipe, world_size: int, *, use_ds_optimizer: bool) -> dict:
+def persistence_threshold(numels: list[int], dp: int, ceiling: int, budget: float = 0.01) -> int:
+    """The largest ZeRO-3 ``stage3_param_persistence_threshold`` <= ``ceiling`` whose whole-kept parameters
+    add at most ``budget`` to a rank's parameter partition.
+
+    Parameters under the threshold stay whole on every rank (no all-gather for them); each costs
+    ``numel * (1 - 1/dp)`` extra per rank, measured against the rank's share ``total / dp``.
+    """
+    total = sum(numels)
+    best, kept = 0, 0
+    for n in sorted(set(numels)):  # a threshold of n + 1 keeps every parameter of n elements or fewer
+        kept += n * numels.count(n)
+        if n + 1 > ceiling or kept * (dp - 1) > budget * total:
+            break
+        best = n + 1
+    return best
+
+
+def size_buckets(zero: dict, numels: list[int], dp: int, hidden: Optional[int]) -> None:
+    """ZeRO's communication buckets and ZeRO-3 persistence sized to the model, where the recipe's raw
+    deepspeed block does not set them.
+
+    DeepSpeed's defaults (5e8-element buckets) allocate a 2 GB fp32 bucket per rank even for a tiny model: a
+    bucket is capped at the model's size. ZeRO-3 with the hidden size known takes the values transformers'
+    DeepSpeed integration uses for "auto" (buckets of hidden^2 elements, prefetch 0.9 hidden^2), and keeps
+    parameters whole below 10 x hidden elements only as far as they cost at most 1% of a rank's parameter
+    memory (:func:`persistence_threshold`), so the memory estimates stay true.
+    """
+    cap = max(1, sum(numels))
+    if zero.get("stage") == 3:
+        wanted = {"reduce_bucket_size": 5 * 10 ** 8, "stage3_prefetch_bucket_size": 5 * 10 ** 7}
+        if hidden:
+            wanted.update(reduce_bucket_size=hidden * hidden, stage3_prefetch_bucket_size=int(0.9 * hidden * hidden))
+        wanted = {k: min(v, cap) for k, v in wanted.items()}
+        wanted["stage3_param_persistence_threshold"] = persistence_threshold(numels, dp, 10 * (hidden or 10 ** 4))
+    else:
+        wanted = {"reduce_bucket_size": min(5 * 10 ** 8, cap), "allgather_bucket_size": min(5 * 10 ** 8, cap)}
+    for key, value in wanted.items():
+        zero.setdefault(key, value)  # a value from the recipe's raw deepspeed block is already there
+
+
+def engine_config(recipe, world_size: int, *, use_ds_optimizer: bool, numels: tuple = (),
+                  hidden: Optional[int] = None) -> dict:
     """The exported ds_config plus what this engine needs: no optimizer block when a torch optimizer is
-    passed, and quiet step logging unless the recipe's deepspeed block asks for it."""
+    passed, buckets sized to the model (:func:`size_buckets`), and quiet step logging unless the recipe's
+    deepspeed block asks for them."""
     cfg = to_ds_config(recipe, world_size)
     raw = recipe.deepspeed or {}
+    if cfg["zero_optimization"]["stage"] >= 1:
+        size_buckets(cfg["zero_optimization"], list(numels), recipe.layout(world_size).data, hidden)
     if not use_ds_optimizer:
         cfg.pop("optimizer", None)
         if recipe.zero.offload_optimizer != "none":
@@ -132,7 +176,11 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
     topology = Topology(layout.pipeline, layout.data, layout.tensor)
     use_ds_opt = _deepspeed_optimizer_builds(recipe, device)
-    config = engine_config(recipe, env.world_size, use_ds_optimizer=use_ds_opt)
+    from ..runtime import model_dims
+
+    config = engine_config(recipe, env.world_size, use_ds_optimizer=use_ds_opt,
+                           numels=tuple(p.numel() for p in model.parameters()) if hasattr(model, "parameters") else (),
+                           hidden=model_dims(model).get("hidden") or (recipe.model.hidden if recipe.model else None))
 
     if layout.pipeline > 1:
         from deepspeed.pipe import PipelineModule
