@@ -52,38 +52,34 @@ def persistence_threshold(numels: list[int], dp: int, ceiling: int, budget: floa
     return best
 
 
-def size_buckets(zero: dict, numels: list[int], dp: int, hidden: Optional[int]) -> None:
-    """ZeRO's communication buckets and ZeRO-3 persistence sized to the model, where the recipe's raw
+def size_buckets(zero: dict, numels: list[int], dp: int) -> None:
+    """DeepSpeed's ZeRO bucket and persistence defaults, bounded by the model, where the recipe's raw
     deepspeed block does not set them.
 
-    DeepSpeed's defaults (5e8-element buckets) allocate a 2 GB fp32 bucket per rank even for a tiny model: a
-    bucket is capped at the model's size. ZeRO-3 with the hidden size known takes the values transformers'
-    DeepSpeed integration uses for "auto" (buckets of hidden^2 elements, prefetch 0.9 hidden^2), and keeps
-    parameters whole below 10 x hidden elements only as far as they cost at most 1% of a rank's parameter
-    memory (:func:`persistence_threshold`), so the memory estimates stay true.
+    The defaults (5e8-element buckets) allocate a 2 GB fp32 bucket per rank even for a tiny model: a bucket is
+    capped at the model's size. ZeRO-3 keeps parameters under 1e5 elements whole on every rank (no all-gather
+    for them); that is kept only as far as they cost at most 1% of a rank's parameter partition
+    (:func:`persistence_threshold`), so a ZeRO-3 recipe shards what it says and the memory estimates hold.
+    For models of real size both bounds leave DeepSpeed's defaults unchanged.
     """
     cap = max(1, sum(numels))
     if zero.get("stage") == 3:
-        wanted = {"reduce_bucket_size": 5 * 10 ** 8, "stage3_prefetch_bucket_size": 5 * 10 ** 7}
-        if hidden:
-            wanted.update(reduce_bucket_size=hidden * hidden, stage3_prefetch_bucket_size=int(0.9 * hidden * hidden))
-        wanted = {k: min(v, cap) for k, v in wanted.items()}
-        wanted["stage3_param_persistence_threshold"] = persistence_threshold(numels, dp, 10 * (hidden or 10 ** 4))
+        wanted = {"reduce_bucket_size": min(5 * 10 ** 8, cap), "stage3_prefetch_bucket_size": min(5 * 10 ** 7, cap),
+                  "stage3_param_persistence_threshold": persistence_threshold(numels, dp, 10 ** 5)}
     else:
         wanted = {"reduce_bucket_size": min(5 * 10 ** 8, cap), "allgather_bucket_size": min(5 * 10 ** 8, cap)}
     for key, value in wanted.items():
         zero.setdefault(key, value)  # a value from the recipe's raw deepspeed block is already there
 
 
-def engine_config(recipe, world_size: int, *, use_ds_optimizer: bool, numels: tuple = (),
-                  hidden: Optional[int] = None) -> dict:
+def engine_config(recipe, world_size: int, *, use_ds_optimizer: bool, numels: tuple = ()) -> dict:
     """The exported ds_config plus what this engine needs: no optimizer block when a torch optimizer is
     passed, buckets sized to the model (:func:`size_buckets`), and quiet step logging unless the recipe's
     deepspeed block asks for them."""
     cfg = to_ds_config(recipe, world_size)
     raw = recipe.deepspeed or {}
-    if cfg["zero_optimization"]["stage"] >= 1:
-        size_buckets(cfg["zero_optimization"], list(numels), recipe.layout(world_size).data, hidden)
+    if cfg["zero_optimization"]["stage"] >= 1 and numels:
+        size_buckets(cfg["zero_optimization"], list(numels), recipe.layout(world_size).data)
     if not use_ds_optimizer:
         cfg.pop("optimizer", None)
         if recipe.zero.offload_optimizer != "none":
@@ -125,14 +121,17 @@ class DeepSpeedEngine(Engine):
             loss = self.ds.train_batch(data_iter=iter(self.micro_batches(batch)))
             self.step_count += 1
             return float(loss.item())
-        losses = []
-        for inputs, labels in self.micro_batches(batch):
+        micro = self.micro_batches(batch)
+        losses, mean_loss = [], None
+        for i, (inputs, labels) in enumerate(micro):
             loss = self.loss_fn(self.ds(inputs), labels)
+            losses.append(loss.detach().float())
+            if i == len(micro) - 1:  # every loss is known: average them while the last backward runs
+                mean_loss = self.start_mean_over_data(torch.stack(losses).mean())
             self.ds.backward(loss)
             self.ds.step()
-            losses.append(loss.detach().float())
         self.step_count += 1
-        return self.mean_over_data(torch.stack(losses).mean())
+        return mean_loss()
 
     @torch.no_grad()
     def eval_step(self, batch) -> float:
@@ -176,11 +175,9 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
     topology = Topology(layout.pipeline, layout.data, layout.tensor)
     use_ds_opt = _deepspeed_optimizer_builds(recipe, device)
-    from ..runtime import model_dims
-
-    config = engine_config(recipe, env.world_size, use_ds_optimizer=use_ds_opt,
-                           numels=tuple(p.numel() for p in model.parameters()) if hasattr(model, "parameters") else (),
-                           hidden=model_dims(model).get("hidden") or (recipe.model.hidden if recipe.model else None))
+    modules = model if isinstance(model, (list, tuple)) else [model]
+    numels = tuple(p.numel() for m in modules for p in m.parameters())
+    config = engine_config(recipe, env.world_size, use_ds_optimizer=use_ds_opt, numels=numels)
 
     if layout.pipeline > 1:
         from deepspeed.pipe import PipelineModule
