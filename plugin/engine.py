@@ -7,7 +7,6 @@ against the recipe, then the back end builds groups, shards the model and wraps 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 from typing import Callable, Optional, Union

@@ -14,6 +14,7 @@ the recipe's torch.optim optimizer, with ``zero_force_ds_cpu_optimizer`` off so 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -167,6 +168,8 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     """Wrap ``model`` per ``recipe``: ``apply_tp(model, tp_group)`` shards it, ``layers_of(model)`` lists its
     layers for a pipeline, ``loss_for(tp_group)`` gives the loss function."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
+    # DeepSpeed 0.19 still calls torch's deprecated all_gather_into_tensor: one warning per rank, nothing to act on
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning)
     import deepspeed
 
     from ..groups import ParallelGroups, build_groups
