@@ -74,3 +74,13 @@ def test_world_size_mismatch_exits_on_every_rank_without_hanging(tmp_path):
     assert text.count("but the launcher runs 2") == 1, "rank 0 alone prints the problem, once\n" + run.log()
     assert "launch 4 processes" in text
     assert run.seconds < 30, run.log()
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_transformers_models_match_single_process(model, tmp_path):
+    """train.py --model gpt2/llama: transformers models, sharded by their auto plan at tp2 x dp2."""
+    pytest.importorskip("transformers")
+    ref = train("cpu_single", 1, tmp_path, launcher="python", steps=4, extra=["--model", model])
+    got = train("cpu_tp2_dp2", 4, tmp_path, steps=4, extra=["--model", model])
+    assert_same_losses(got.losses, ref.losses, range(1, 5), got.log())
+    assert ref.losses[4] < ref.losses[1], ref.log()
