@@ -13,7 +13,6 @@ Usage: python bench/validate.py [--repeats 5]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics

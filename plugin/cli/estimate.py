@@ -7,12 +7,11 @@ Exit codes: 0 it fits, 3 it does not fit, 2 the recipe is invalid (or has no mod
 """
 from __future__ import annotations
 
-import sys
 
 from ..dims import params_text
 from ..errors import RecipeError
-from ..units import fmt_bytes, fmt_gb, fmt_seconds, parse_size
-from ._output import print_json, print_problems, print_table
+from ..units import fmt_bytes, fmt_gb, fmt_seconds
+from .common import print_json, print_problems, print_table, size
 
 DOES_NOT_FIT = 3
 
@@ -25,7 +24,7 @@ def register(subparsers) -> None:
                     "fit, with what margin.",
         epilog="Exit codes: 0 fits, 3 does not fit, 2 invalid recipe, 1 usage error. GB = 10^9 bytes.")
     p.add_argument("recipe", metavar="RECIPE", help="a recipe file, or a shipped recipe's name (tp2_dp4)")
-    p.add_argument("--gpu-memory", metavar="SIZE",
+    p.add_argument("--gpu-memory", type=size, metavar="SIZE",
                    help="memory of one accelerator: 80GB, 80GiB or 80 (GB); default: the recipe's cluster, else 80GB")
     p.add_argument("--json", action="store_true", help="print JSON for machines instead of tables")
     p.set_defaults(run=run)
@@ -35,13 +34,7 @@ def run(args) -> int:
     from ..recipe import read_recipe
     from ..recipe_estimate import estimate_recipe
 
-    gpu_memory = None
-    if args.gpu_memory is not None:
-        try:
-            gpu_memory = parse_size(args.gpu_memory)
-        except ValueError as e:
-            print(f"--gpu-memory: {e}", file=sys.stderr)
-            return 1
+    gpu_memory = args.gpu_memory
     try:
         recipe = read_recipe(args.recipe)
         est = estimate_recipe(recipe, gpu_memory=gpu_memory)
@@ -63,7 +56,7 @@ def _print(est) -> None:
           + (", sequence parallel" if s.sequence_parallel else ""))
     print(f"model: reference GPT, {spec.layers} layers, hidden {spec.hidden}, heads {spec.heads}, ffn {spec.ffn}, "
           f"vocab {spec.vocab}, seq {spec.seq_len}: {params_text(spec.total_params())} parameters "
-          f"(GELU MLP, LayerNorm, learned positions, tied embeddings; fused attention; "
+          f"(GELU MLP, LayerNorm, learned positions, untied output layer; fused attention; "
           f"dropout {'on' if s.dropout else 'off'})")
     total = est.memory.total
     rows = [(name, fmt_bytes(v), f"{v / total:.0%}" if total else "-") for name, v in est.memory.terms]

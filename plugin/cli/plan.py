@@ -9,26 +9,15 @@ Exit codes: 0 a layout fits, 3 none fits (the output says how far off the closes
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from ..errors import RecipeError
-from ..units import fmt_gb, fmt_seconds, parse_size
-from ._output import print_json, print_problems, print_table
+from ..units import fmt_gb, fmt_seconds
+from .common import positive_int, print_json, print_problems, print_table, size
 
 NOTHING_FITS = 3
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
 
 
 def register(subparsers) -> None:
@@ -41,14 +30,14 @@ def register(subparsers) -> None:
     p.add_argument("--model", required=True, metavar="NAME|PATH.json",
                    help="a preset (llama2-7b, llama3-8b, gpt3-175b, megatron-1t, ...) or a JSON model block "
                         "(the recipe's model fields) or a recipe with one")
-    p.add_argument("--gpus", required=True, type=_positive, metavar="N", help="accelerators in all")
-    p.add_argument("--gpus-per-node", type=_positive, default=8, metavar="G",
+    p.add_argument("--gpus", required=True, type=positive_int, metavar="N", help="accelerators in all")
+    p.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="G",
                    help="accelerators per node (default 8); tensor groups stay inside a node")
-    p.add_argument("--gpu-memory", required=True, metavar="SIZE", help="memory of one accelerator: 80GB, 80GiB or 80")
-    p.add_argument("--global-batch", type=_positive, metavar="B",
+    p.add_argument("--gpu-memory", required=True, type=size, metavar="SIZE", help="memory of one accelerator: 80GB, 80GiB or 80")
+    p.add_argument("--global-batch", type=positive_int, metavar="B",
                    help="sequences per optimizer step (default: about 4M tokens, a multiple of --gpus)")
-    p.add_argument("--seq-len", type=_positive, metavar="S", help="sequence length (default: the model's)")
-    p.add_argument("--top", type=_positive, default=5, metavar="K", help="how many layouts to show (default 5)")
+    p.add_argument("--seq-len", type=positive_int, metavar="S", help="sequence length (default: the model's)")
+    p.add_argument("--top", type=positive_int, default=5, metavar="K", help="how many layouts to show (default 5)")
     p.add_argument("--write", metavar="RECIPE.json", help="write the best layout as a recipe to this file")
     p.add_argument("--json", action="store_true", help="print JSON for machines instead of tables")
     p.set_defaults(run=run)
@@ -58,11 +47,7 @@ def run(args) -> int:
     from ..planner import plan
     from ..presets import resolve_model
 
-    try:
-        gpu_memory = parse_size(args.gpu_memory)
-    except ValueError as e:
-        print(f"--gpu-memory: {e}", file=sys.stderr)
-        return 1
+    gpu_memory = args.gpu_memory
     try:
         spec = resolve_model(args.model)
     except RecipeError as e:

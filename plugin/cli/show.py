@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from .common import EXIT_INVALID, EXIT_OK, add_world_size, dump_json, load_or_report
+from .common import EXIT_INVALID, EXIT_OK, add_world_size, print_json, load_or_report
 
 
 def register(sub) -> None:
@@ -60,7 +60,7 @@ def run(args) -> int:
         "launcher": recipe.launcher,
     }
     if args.json:
-        dump_json({"resolved": resolved, "ranks": rows})
+        print_json({"resolved": resolved, "ranks": rows})
         return EXIT_OK
     _render(resolved, rows, gpn)
     return EXIT_OK

@@ -1,7 +1,7 @@
 """``validate RECIPE... [--world-size N] [--json]``: exit 0 when all are valid (warnings on stderr), 2 if not."""
 from __future__ import annotations
 
-from .common import EXIT_INVALID, EXIT_OK, add_world_size, dump_json, print_problems
+from .common import EXIT_INVALID, EXIT_OK, add_world_size, print_json, print_problems
 
 
 def register(sub) -> None:
@@ -29,7 +29,7 @@ def run(args) -> int:
         if recipe is not None:
             print(f"ok: {ref}: {_summary(recipe, args.world_size)}")
     if args.json:
-        dump_json(reports)
+        print_json(reports)
     return EXIT_OK if ok else EXIT_INVALID
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -86,11 +86,21 @@ class Engine(abc.ABC):
 
     def mean_over_data(self, value: torch.Tensor) -> float:
         """Average a per-rank scalar over the data-parallel group (tensor/pipeline peers hold the same)."""
+        return self.start_mean_over_data(value)()
+
+    def start_mean_over_data(self, value: torch.Tensor) -> Callable[[], float]:
+        """Start averaging a per-rank scalar over the data-parallel group without waiting; the returned
+        function waits and gives the float. Started before a backward pass, the reduction hides behind it."""
         value = value.detach().float().reshape(1).to(self.device)
-        if self.layout.data > 1:
-            dist.all_reduce(value, group=self.groups.get_data_parallel_group())
-            value /= self.layout.data
-        return float(value.item())
+        if self.layout.data == 1:
+            return lambda: float(value.item())
+        work = dist.all_reduce(value, group=self.groups.get_data_parallel_group(), async_op=True)
+
+        def finish() -> float:
+            work.wait()
+            return float(value.item()) / self.layout.data
+
+        return finish
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer states (see each back end)."""

@@ -14,6 +14,7 @@ the recipe's torch.optim optimizer, with ``zero_force_ds_cpu_optimizer`` off so 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -35,11 +36,51 @@ def _deepspeed_optimizer_builds(recipe, device: torch.device) -> bool:
         return False
 
 
-def engine_config(recipe, world_size: int, *, use_ds_optimizer: bool) -> dict:
+def persistence_threshold(numels: list[int], dp: int, ceiling: int, budget: float = 0.01) -> int:
+    """The largest ZeRO-3 ``stage3_param_persistence_threshold`` <= ``ceiling`` whose whole-kept parameters
+    add at most ``budget`` to a rank's parameter partition.
+
+    Parameters under the threshold stay whole on every rank (no all-gather for them); each costs
+    ``numel * (1 - 1/dp)`` extra per rank, measured against the rank's share ``total / dp``.
+    """
+    total = sum(numels)
+    best, kept = 0, 0
+    for n in sorted(set(numels)):  # a threshold of n + 1 keeps every parameter of n elements or fewer
+        kept += n * numels.count(n)
+        if n + 1 > ceiling or kept * (dp - 1) > budget * total:
+            break
+        best = n + 1
+    return best
+
+
+def size_buckets(zero: dict, numels: list[int], dp: int) -> None:
+    """DeepSpeed's ZeRO bucket and persistence defaults, bounded by the model, where the recipe's raw
+    deepspeed block does not set them.
+
+    The defaults (5e8-element buckets) allocate a 2 GB fp32 bucket per rank even for a tiny model: a bucket is
+    capped at the model's size. ZeRO-3 keeps parameters under 1e5 elements whole on every rank (no all-gather
+    for them); that is kept only as far as they cost at most 1% of a rank's parameter partition
+    (:func:`persistence_threshold`), so a ZeRO-3 recipe shards what it says and the memory estimates hold.
+    For models of real size both bounds leave DeepSpeed's defaults unchanged.
+    """
+    cap = max(1, sum(numels))
+    if zero.get("stage") == 3:
+        wanted = {"reduce_bucket_size": min(5 * 10 ** 8, cap), "stage3_prefetch_bucket_size": min(5 * 10 ** 7, cap),
+                  "stage3_param_persistence_threshold": persistence_threshold(numels, dp, 10 ** 5)}
+    else:
+        wanted = {"reduce_bucket_size": min(5 * 10 ** 8, cap), "allgather_bucket_size": min(5 * 10 ** 8, cap)}
+    for key, value in wanted.items():
+        zero.setdefault(key, value)  # a value from the recipe's raw deepspeed block is already there
+
+
+def engine_config(recipe, world_size: int, *, use_ds_optimizer: bool, numels: tuple = ()) -> dict:
     """The exported ds_config plus what this engine needs: no optimizer block when a torch optimizer is
-    passed, and quiet step logging unless the recipe's deepspeed block asks for it."""
+    passed, buckets sized to the model (:func:`size_buckets`), and quiet step logging unless the recipe's
+    deepspeed block asks for them."""
     cfg = to_ds_config(recipe, world_size)
     raw = recipe.deepspeed or {}
+    if cfg["zero_optimization"]["stage"] >= 1 and numels:
+        size_buckets(cfg["zero_optimization"], list(numels), recipe.layout(world_size).data)
     if not use_ds_optimizer:
         cfg.pop("optimizer", None)
         if recipe.zero.offload_optimizer != "none":
@@ -81,14 +122,17 @@ class DeepSpeedEngine(Engine):
             loss = self.ds.train_batch(data_iter=iter(self.micro_batches(batch)))
             self.step_count += 1
             return float(loss.item())
-        losses = []
-        for inputs, labels in self.micro_batches(batch):
+        micro = self.micro_batches(batch)
+        losses, mean_loss = [], None
+        for i, (inputs, labels) in enumerate(micro):
             loss = self.loss_fn(self.ds(inputs), labels)
+            losses.append(loss.detach().float())
+            if i == len(micro) - 1:  # every loss is known: average them while the last backward runs
+                mean_loss = self.start_mean_over_data(torch.stack(losses).mean())
             self.ds.backward(loss)
             self.ds.step()
-            losses.append(loss.detach().float())
         self.step_count += 1
-        return self.mean_over_data(torch.stack(losses).mean())
+        return mean_loss()
 
     @torch.no_grad()
     def eval_step(self, batch) -> float:
@@ -124,6 +168,8 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     """Wrap ``model`` per ``recipe``: ``apply_tp(model, tp_group)`` shards it, ``layers_of(model)`` lists its
     layers for a pipeline, ``loss_for(tp_group)`` gives the loss function."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
+    # DeepSpeed 0.19 still calls torch's deprecated all_gather_into_tensor: one warning per rank, nothing to act on
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning)
     import deepspeed
 
     from ..groups import ParallelGroups, build_groups
@@ -132,7 +178,9 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
     topology = Topology(layout.pipeline, layout.data, layout.tensor)
     use_ds_opt = _deepspeed_optimizer_builds(recipe, device)
-    config = engine_config(recipe, env.world_size, use_ds_optimizer=use_ds_opt)
+    modules = model if isinstance(model, (list, tuple)) else [model]
+    numels = tuple(p.numel() for m in modules for p in m.parameters())
+    config = engine_config(recipe, env.world_size, use_ds_optimizer=use_ds_opt, numels=numels)
 
     if layout.pipeline > 1:
         from deepspeed.pipe import PipelineModule

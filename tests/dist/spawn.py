@@ -1,6 +1,6 @@
 """Run a function on N CPU processes joined by gloo, from inside a test, and get its results back.
 
-    from spawn import run
+    from .spawn import run
     results = run(check_something, 4, "an arg")   # check_something(rank, world_size, "an arg") on 4 ranks
 
 ``fn`` must be importable by name (a module-level function of a test module or a helper module). Each

@@ -6,6 +6,8 @@ Each layout runs as two launches (steps 1-5 then --save; --resume then steps 6-1
 the reference's uninterrupted 10 steps: steps 1-5 check parity, steps 6-10 check parity after a resume.
 """
 import math
+import re
+from datetime import datetime
 
 import pytest
 
@@ -73,4 +75,20 @@ def test_world_size_mismatch_exits_on_every_rank_without_hanging(tmp_path):
     text = run.stdout + run.stderr
     assert text.count("but the launcher runs 2") == 1, "rank 0 alone prints the problem, once\n" + run.log()
     assert "launch 4 processes" in text
-    assert run.seconds < 30, run.log()
+    # The launcher stamps when it spawned the ranks and when the first of them failed (it then stops the
+    # rest at once): that span is how long the ranks took to refuse, launcher start-up excluded.
+    stamps = [datetime.strptime(m, "%Y-%m-%d %H:%M:%S,%f") for m in
+              re.findall(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+)\] \[\w+\] \[launch\.py:\d+:\w+\] "
+                         r"(?:process \d+ spawned|.*exits with return code)", text, re.M)]
+    assert len(stamps) >= 3, run.log()
+    assert (stamps[-1] - stamps[0]).total_seconds() < 10, run.log()
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_transformers_models_match_single_process(model, tmp_path):
+    """train.py --model gpt2/llama: transformers models, sharded by their auto plan at tp2 x dp2."""
+    pytest.importorskip("transformers")
+    ref = train("cpu_single", 1, tmp_path, launcher="python", steps=4, extra=["--model", model])
+    got = train("cpu_tp2_dp2", 4, tmp_path, steps=4, extra=["--model", model])
+    assert_same_losses(got.losses, ref.losses, range(1, 5), got.log())
+    assert ref.losses[4] < ref.losses[1], ref.log()

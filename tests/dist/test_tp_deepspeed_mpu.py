@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spawn import run
+from .spawn import run
 
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.dist, pytest.mark.deepspeed]

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spawn import run
+from .spawn import run
 
 pytestmark = pytest.mark.dist
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spawn import run
+from .spawn import run
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.dist

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spawn import run
+from .spawn import run
 
 pytestmark = pytest.mark.dist
 

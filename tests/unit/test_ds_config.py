@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from plugin.checks import load_recipe, validate
+from plugin.checks import load_recipe
 from plugin.ds_config import DEEPSPEED_DEFAULT_GRADIENT_CLIPPING, from_ds_config, to_accelerate_config, to_ds_config
-from plugin.recipe import Recipe, recipe_from_data, shipped_recipes
+from plugin.recipe import recipe_from_data, shipped_recipes
 
 ROOT = Path(__file__).resolve().parents[2]
 

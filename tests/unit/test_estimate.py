@@ -75,7 +75,7 @@ def test_state_bytes_per_param():
     assert state_bytes_per_param("bf16") == (2, 2, 12)  # the paper's K = 12
     assert state_bytes_per_param("fp32") == (4, 4, 8)
     assert state_bytes_per_param("fp32", zero_stage=1) == (4, 4, 12)  # DeepSpeed's fp32 partition copy
-    assert state_bytes_per_param("fp32", zero_stage=3) == (4, 4, 8)
+    assert state_bytes_per_param("fp32", zero_stage=3) == (4, 4, 12)  # ZeRO-3 keeps one too (measured)
     assert state_bytes_per_param("bf16", "sgd", momentum=0.9) == (2, 2, 8)
     assert state_bytes_per_param("fp32", "sgd") == (4, 4, 0)
 

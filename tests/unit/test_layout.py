@@ -56,3 +56,8 @@ def test_world_size_mismatch_suggests_both_fixes():
     assert "launch 8 processes" in p.hint and '"data": 6' in p.hint
     with pytest.raises(RecipeError, match="no data size fits 7"):
         _recipe(data=4, tensor=2).layout(7)
+
+
+def test_grad_accum_alone_is_a_problem_not_a_crash():
+    triple, problems = resolve_batch(Batch(grad_accum=8), 2)
+    assert triple is None and problems[0].path == "$.batch" and '"micro"' in problems[0].hint
