@@ -26,10 +26,10 @@ def launched_by_accelerate(environ: Mapping[str, str]) -> bool:
     return ACCELERATE_MARK in environ
 
 
-def accelerate_mode(recipe, layout, *, cuda: bool, has_deepspeed: bool) -> tuple[Optional[str], str]:
+def accelerate_mode(recipe, *, cuda: bool, has_deepspeed: bool) -> tuple[Optional[str], str]:
     """(``"ddp"`` | ``"deepspeed"`` | ``"fsdp"`` | None, why): how ``Accelerator`` carries the recipe, or None
     with the reason the native back end must (under the same ``accelerate launch``)."""
-    if layout.tensor > 1 or layout.pipeline > 1:
+    if recipe.parallelism.tensor > 1 or recipe.parallelism.pipeline > 1:
         return None, ("tensor/pipeline parallelism: Accelerate takes no custom process groups, so the plugin's "
                       "native back end builds them")
     if recipe.precision == "fp16" and not cuda:
@@ -46,7 +46,7 @@ def accelerate_mode(recipe, layout, *, cuda: bool, has_deepspeed: bool) -> tuple
     return None, f"ZeRO-{z.stage} on CPU without deepspeed: Accelerate's FSDP needs an accelerator; FSDP2 directly"
 
 
-def choose(recipe, layout, *, environ: Mapping[str, str], has_deepspeed: bool, cuda: bool) -> str:
+def choose(recipe, *, environ: Mapping[str, str], has_deepspeed: bool, cuda: bool) -> str:
     """The back end for ``recipe`` (see the module docstring)."""
     if recipe.launcher == "deepspeed":
         if not has_deepspeed:
@@ -54,10 +54,10 @@ def choose(recipe, layout, *, environ: Mapping[str, str], has_deepspeed: bool, c
                               'pip install deepspeed (with torch pinned), or set "launcher": "auto"')
         return "deepspeed"
     if launched_by_accelerate(environ) and recipe.launcher in ("auto", "accelerate"):
-        mode, _ = accelerate_mode(recipe, layout, cuda=cuda, has_deepspeed=has_deepspeed)
+        mode, _ = accelerate_mode(recipe, cuda=cuda, has_deepspeed=has_deepspeed)
         return "accelerate" if mode else "native"
     if recipe.launcher in ("accelerate", "torchrun"):
         return "native"
-    if layout.pipeline > 1 and recipe.pipeline_parallel.schedule != "1f1b":
+    if recipe.parallelism.pipeline > 1 and recipe.pipeline_parallel.schedule != "1f1b":
         return "native"  # DeepSpeed's PipelineEngine runs 1F1B only
     return "deepspeed" if has_deepspeed else "native"

@@ -18,7 +18,7 @@ from .recipe import Recipe
 from .runtime import check_launch, check_model, ensure_single_process_env, launch_env
 
 
-def choose_backend(recipe: Recipe, env=None, device_type: Optional[str] = None) -> str:
+def choose_backend(recipe: Recipe, device_type: Optional[str] = None) -> str:
     """"deepspeed", "accelerate" or "native" for ``recipe`` in this process (:func:`plugin.backends.choose`)."""
     from .backends import choose
 
@@ -26,8 +26,7 @@ def choose_backend(recipe: Recipe, env=None, device_type: Optional[str] = None) 
         import torch
 
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    env = env or launch_env()
-    return choose(recipe, recipe.layout(env.world_size), environ=os.environ,
+    return choose(recipe, environ=os.environ,
                   has_deepspeed=importlib.util.find_spec("deepspeed") is not None, cuda=device_type == "cuda")
 
 
@@ -86,7 +85,7 @@ def initialize(model, recipe: Union[Recipe, str, Path], *, loss_fn: Optional[Cal
     layout = recipe.layout(env.world_size)
     ensure_single_process_env()
     device = _device(env)
-    backend = backend or choose_backend(recipe, env, device.type)
+    backend = backend or choose_backend(recipe, device.type)
     if backend in ("native", "accelerate"):
         from .checks import native_back_end_problems
 

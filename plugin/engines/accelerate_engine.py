@@ -93,21 +93,16 @@ class AccelerateEngine(Engine):
         return {"step": self.step_count, **self.progress.client_state}
 
     def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds (:mod:`plugin.engines.memory`), as for the other back ends."""
+        from .memory import deepspeed_state_bytes, held_bytes
+
         if self.mode == "deepspeed":
-            from .memory import deepspeed_state_bytes
-
             return deepspeed_state_bytes(self.accelerator.deepspeed_engine_wrapped.engine)
-        from .native_common import param_bytes
-
-        params = list(self.model.parameters())
-        opt = getattr(self.optimizer, "optimizer", self.optimizer)
-        states = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-        return {"params": param_bytes(params), "grads": param_bytes([p for p in params if p.requires_grad]),
-                "optimizer": param_bytes(states)}
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # inside Accelerate's wrapper
+        return held_bytes(self.accelerator.unwrap_model(self.model), optimizer)
 
 
-
-def _plugins(mode: str, recipe, layout, world_size: int, cuda: bool, layer_classes: list[str]) -> dict:
+def _plugins(mode: str, recipe, world_size: int, cuda: bool, model, layers_of: Callable) -> dict:
     from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs
 
     kwargs: dict = {"kwargs_handlers": []}
@@ -123,8 +118,9 @@ def _plugins(mode: str, recipe, layout, world_size: int, cuda: bool, layer_class
 
         from .deepspeed import engine_config
 
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=engine_config(recipe, world_size,
-                                                                                use_ds_optimizer=False))
+        config = engine_config(recipe, world_size, use_ds_optimizer=False,
+                               numels=tuple(p.numel() for p in model.parameters()))
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=config)
         if not cuda:
             os.environ["ACCELERATE_USE_CPU"] = "false"  # else Accelerate forces cpu=True and drops the plugin
             kwargs["kwargs_handlers"].append(InitProcessGroupKwargs(backend="gloo"))
@@ -132,6 +128,9 @@ def _plugins(mode: str, recipe, layout, world_size: int, cuda: bool, layer_class
         from accelerate.utils import FullyShardedDataParallelPlugin
         from torch.distributed.fsdp import CPUOffloadPolicy
 
+        from .native import fsdp_units
+
+        layer_classes = sorted({type(m).__name__ for m in fsdp_units(model, layers_of)})
         z = recipe.zero
         offload = "cpu" in (z.offload_param, z.offload_optimizer)
         kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
@@ -164,15 +163,13 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     from ..backends import accelerate_mode
     from ..groups import build_groups
     from ..topology import Topology
-    from .native import fsdp_units
 
     cuda = device.type == "cuda"
-    mode, why = accelerate_mode(recipe, layout, cuda=cuda, has_deepspeed=importlib.util.find_spec("deepspeed") is not None)
+    mode, why = accelerate_mode(recipe, cuda=cuda, has_deepspeed=importlib.util.find_spec("deepspeed") is not None)
     if mode is None:
         raise PluginError(f"Accelerate cannot carry this recipe ({why}) -> let initialize choose the back end")
-    classes = sorted({type(m).__name__ for m in fsdp_units(model, layers_of)}) if mode == "fsdp" else []
     acc = Accelerator(mixed_precision=_MIXED[recipe.precision], gradient_accumulation_steps=layout.grad_accum,
-                      **_plugins(mode, recipe, layout, env.world_size, cuda, classes))
+                      **_plugins(mode, recipe, env.world_size, cuda, model, layers_of))
     _check_accelerator(acc, mode, env.world_size)
     topology = Topology(layout.pipeline, layout.data, layout.tensor)
     groups = build_groups(topology)

@@ -50,14 +50,6 @@ def build_scaler(recipe, device: torch.device):
     return scaler
 
 
-def param_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        total += local.numel() * local.element_size()
-    return total
-
-
 class NativeEngine(Engine):
     """The optimizer step and the checkpoint of every native engine.
 
@@ -116,19 +108,11 @@ class NativeEngine(Engine):
         return native_state.load(self, directory)
 
     # ------------------------------------------------------------------ memory
-    def optimizer_states(self) -> list[torch.Tensor]:
-        """The optimizer-state tensors this rank holds (ZeRO-1: its partition only)."""
-        opt = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer's local optimizer
-        return [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)]
-
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters, gradients and optimizer states.
+        """Bytes this rank holds for parameters, gradients and optimizer states, counted as for DeepSpeed
+        (:func:`plugin.engines.memory.held_bytes`): this rank's parameters (FSDP2: its shards), their
+        gradients (DDP: views into its buckets), the optimizer's states (ZeRO-1: this rank's partition).
+        Measure inside a step (after a backward) for gradients to exist."""
+        from .memory import held_bytes
 
-        Gradients count the buffers a step fills: this rank's slice of each trainable parameter (whole under
-        DDP / ZeRO-1, its FSDP2 shard under ZeRO-2/3), in the parameter's dtype; optimizer states count the
-        tensors present now (call after a step).
-        """
-        params = list(self.container.parameters())
-        grads = [p.grad if p.grad is not None else p for p in params if p.requires_grad]
-        return {"params": param_bytes(params), "grads": param_bytes(grads),
-                "optimizer": param_bytes(self.optimizer_states())}
+        return held_bytes(self.container, getattr(self.optimizer, "optim", self.optimizer))

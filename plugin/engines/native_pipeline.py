@@ -156,6 +156,10 @@ def build_pipeline(model, recipe, layout, topology, groups, *, device, layers_of
             module = DistributedDataParallel(module, process_group=groups.get_data_parallel_group(),
                                              device_ids=[device] if device.type == "cuda" else None,
                                              gradient_as_bucket_view=True)
+            # The stage all-reduces at its last backward by preparing DDP's reducer itself. Any other forward
+            # with gradients on (the schedule's shape inference on its first step) must not arm the reducer,
+            # or DDP records every gradient twice and fails at the next step ("rebuilt parameter indices").
+            module.require_backward_grad_sync = False
         stages.append(pipelining.PipelineStage(module, s, num_stages, device, group=groups.get_pipe_parallel_group()))
     engine = PipelineEngine(recipe, layout, topology, groups, container, device, container=container,
                             optimizer=optimizer, scaler=build_scaler(recipe, device),

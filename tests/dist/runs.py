@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -69,6 +70,12 @@ class Run:
     @property
     def losses(self) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in self.records}
+
+    @property
+    def backend(self) -> str:
+        """The back end train.py's summary names ("trained NAME with BACKEND: ..."), or "" if none."""
+        found = re.search(r"^trained \S+ with (\w+):", self.stderr, re.M)
+        return found.group(1) if found else ""
 
     def log(self) -> str:
         return (f"$ {' '.join(self.cmd)}\nexit {self.returncode} after {self.seconds:.1f}s\n"
