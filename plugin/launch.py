@@ -1,8 +1,14 @@
 """``launch.sh``'s brain: validate the recipe, pick a launcher, count processes, build the exact command.
 
-Pure and quick (no torch import): it validates first (exit 2 on an invalid recipe, nothing started), then
+Quick (no torch import): it validates first (exit 2 on an invalid recipe, nothing started), then
 picks deepspeed when it is importable and the recipe allows it, else accelerate, else torchrun; derives the
 process count from the recipe and the machine (GPUs, else CPU processes); ``--dry-run`` prints the command.
+
+Several nodes (run launch.sh once on each, with the same ``--master``): ``--nodes N --node-rank R --master A:P``
+becomes torchrun ``--nnodes N --node_rank R --rdzv_endpoint A:P`` (static rendezvous), accelerate launch
+``--num_machines N --machine_rank R --main_process_ip A --main_process_port P`` (with ``--num_processes`` the
+whole world), and deepspeed ``--no_ssh --node_rank R --master_addr A --master_port P`` with a generated
+hostfile (:func:`no_ssh_hostfile`). ``--hostfile FILE`` instead hands DeepSpeed its own ssh-based launch.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -124,6 +131,16 @@ def _split_master(master: Optional[str]) -> tuple[str, int]:
     return addr, int(port)
 
 
+def no_ssh_hostfile(nodes: int, slots: int) -> Path:
+    """The hostfile ``deepspeed --no_ssh`` needs: its runner refuses more than one node without a host list
+    ("Num nodes is >1 but no extra nodes available via hostfile"), even though each node then starts only its
+    own ranks (from --node_rank) and never contacts the others by name. The names are placeholders; the file
+    is written to the temp directory (also by --dry-run, so the printed command runs as shown)."""
+    path = Path(tempfile.gettempdir()) / f"parallel-recipe-hostfile-{nodes}x{slots}"
+    path.write_text("".join(f"node{i} slots={slots}\n" for i in range(nodes)))
+    return path
+
+
 def build_command(recipe_path: str, recipe, req: Request, machine: Machine) -> tuple[list[str], dict]:
     """(argv, extra environment) of the launch."""
     launcher = pick_launcher(recipe, req.launcher, machine)
@@ -141,7 +158,8 @@ def build_command(recipe_path: str, recipe, req: Request, machine: Machine) -> t
         if req.hostfile:
             cmd += ["--hostfile", req.hostfile]
         elif multi:
-            cmd += ["--no_ssh", "--num_nodes", str(req.nodes), "--node_rank", str(req.node_rank)]
+            hosts = no_ssh_hostfile(req.nodes, nproc)
+            cmd += ["--hostfile", str(hosts), "--no_ssh", "--node_rank", str(req.node_rank)]
         cmd += ["--num_gpus", str(nproc), "--master_addr", addr, "--master_port", str(port), *train]
         if not machine.gpus:
             env["DS_ACCELERATOR"] = "cpu"

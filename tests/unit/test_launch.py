@@ -84,3 +84,13 @@ def test_launch_sh_dry_run_prints_the_exact_command():
     assert out.returncode == 0, out.stderr
     assert "torch.distributed.run --nproc_per_node 4 --standalone" in out.stdout
     assert out.stdout.strip().endswith("--recipe " + str(ROOT / "recipes" / "cpu_tp2_pp2.json") + " --steps 2")
+
+
+def test_deepspeed_on_several_nodes_without_ssh_gets_a_hostfile():
+    """deepspeed's runner refuses --num_nodes > 1 without a host list, even with --no_ssh: launch.sh writes one."""
+    r = load_recipe("cpu_tp2_dp2")
+    cmd, _ = build_command("R.json", r, Request(nodes=2, node_rank=1, master="10.0.0.1:29500"), CPU_ALL)
+    hostfile = Path(cmd[cmd.index("--hostfile") + 1])
+    assert hostfile.read_text() == "node0 slots=2\nnode1 slots=2\n"
+    assert cmd[cmd.index("--no_ssh") + 1:][:2] == ["--node_rank", "1"]
+    assert cmd[cmd.index("--master_addr") + 1] == "10.0.0.1" and cmd[cmd.index("--master_port") + 1] == "29500"

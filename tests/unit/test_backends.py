@@ -1,0 +1,71 @@
+"""Which back end trains a recipe (plugin.backends): pure decisions, every branch."""
+import pytest
+
+from plugin.backends import ACCELERATE_MARK, accelerate_mode, choose, launched_by_accelerate
+from plugin.checks import check_recipe, load_recipe, native_back_end_problems
+from plugin.errors import PluginError
+from plugin.recipe import Recipe
+
+ACCELERATE = {ACCELERATE_MARK: "no"}
+
+
+def recipe(name="cpu_dp4", **blocks):
+    data = load_recipe(name).to_dict()
+    for key, value in blocks.items():
+        data[key] = value if not isinstance(value, dict) else {**data.get(key, {}), **value}
+    return Recipe.from_dict(data)
+
+
+def test_accelerate_launch_is_recognised_by_what_every_accelerate_launcher_exports():
+    assert launched_by_accelerate({ACCELERATE_MARK: "bf16"})
+    assert not launched_by_accelerate({"ACCELERATE_USE_CPU": "true"}), "users export that one themselves"
+
+
+@pytest.mark.parametrize("has_ds", [True, False])
+def test_torchrun_and_plain_python(has_ds):
+    assert choose(recipe(), environ={}, has_deepspeed=has_ds, cuda=False) == ("deepspeed" if has_ds else "native")
+    assert choose(recipe(launcher="torchrun"), environ={}, has_deepspeed=has_ds, cuda=False) == "native"
+    gpipe = recipe("cpu_pp2_dp2", pipeline_parallel={"schedule": "gpipe"})
+    assert choose(gpipe, environ={}, has_deepspeed=has_ds, cuda=False) == "native"
+
+
+def test_under_accelerate_launch():
+    for stage, has_ds, want in [(0, False, "accelerate"), (0, True, "accelerate"), (1, True, "accelerate"),
+                                (1, False, "native"), (3, False, "native"), (3, True, "accelerate")]:
+        r = recipe(zero={"stage": stage})
+        assert choose(r, environ=ACCELERATE, has_deepspeed=has_ds, cuda=False) == want, (stage, has_ds)
+    assert choose(recipe("cpu_tp2_dp2"), environ=ACCELERATE, has_deepspeed=True, cuda=False) == "native"
+    assert choose(recipe(launcher="torchrun"), environ=ACCELERATE, has_deepspeed=True, cuda=False) == "native"
+    assert choose(recipe(launcher="deepspeed"), environ=ACCELERATE, has_deepspeed=True, cuda=False) == "deepspeed"
+
+
+def test_what_accelerate_carries():
+    assert accelerate_mode(recipe(zero={"stage": 0}), cuda=False, has_deepspeed=False)[0] == "ddp"
+    assert accelerate_mode(recipe(zero={"stage": 2}), cuda=True, has_deepspeed=False)[0] == "fsdp"
+    assert accelerate_mode(recipe(zero={"stage": 2}), cuda=True, has_deepspeed=True)[0] == "deepspeed"
+    mode, why = accelerate_mode(recipe(zero={"stage": 0}, precision="fp16"), cuda=False, has_deepspeed=True)
+    assert mode is None and "silently" in why
+    mode, why = accelerate_mode(recipe(zero={"stage": 1}), cuda=True, has_deepspeed=False)
+    assert mode is None and "ZeroRedundancyOptimizer" in why
+
+
+def test_launcher_deepspeed_without_deepspeed_says_what_to_do():
+    with pytest.raises(PluginError, match="pip install deepspeed"):
+        choose(recipe(launcher="deepspeed"), environ={}, has_deepspeed=False, cuda=False)
+
+
+def test_what_the_native_back_end_refuses():
+    nvme = recipe("cpu_zero3_dp4", zero={"offload_param": "nvme", "nvme_path": "/nvme"})
+    assert [p.path for p in native_back_end_problems(nvme)] == ["$.zero"]
+    stage1 = recipe(zero={"stage": 1, "offload_optimizer": "cpu"})
+    assert [p.path for p in native_back_end_problems(stage1)] == ["$.zero.offload_optimizer"]
+    assert not list(native_back_end_problems(recipe("cpu_zero3_dp4", zero={"offload_param": "cpu"})))
+
+
+def test_interleaved_rounds_must_be_equal():
+    r = recipe("cpu_tp2_pp2", pipeline_parallel={"schedule": "interleaved_1f1b", "virtual_stages": 2},
+               batch={"global": 20, "micro": 4})  # 5 micro-batches over 2 stages: rounds of 2 and 3
+    problems = [p for p in check_recipe(r) if p.path == "$.batch.grad_accum" and p.is_error]
+    assert problems and "4 or 6" in problems[0].hint
+    ok = recipe("cpu_tp2_pp2", pipeline_parallel={"schedule": "interleaved_1f1b", "virtual_stages": 2})
+    assert not [p for p in check_recipe(ok) if p.is_error]
