@@ -8,9 +8,10 @@ How each ZeRO stage maps (over the data-parallel group of :func:`plugin.groups.b
   data group: each rank keeps the optimizer states of its partition of the parameters, steps them, and
   broadcasts the updated parameters (DeepSpeed's stage 1: optimizer states partitioned).
 * ZeRO-2: FSDP2 ``fully_shard(reshard_after_forward=False)`` on a 1-D data mesh (``DeviceMesh.from_group``):
-  parameters, gradients (reduce-scattered at every micro-batch) and optimizer states are sharded between
-  steps, and the gathered parameters stay from forward to backward (no second all-gather), as in
-  DeepSpeed's stage 2 where parameters are whole during the step.
+  gradients (reduce-scattered at every micro-batch) and optimizer states are sharded; the parameters are
+  gathered once per step and stay gathered through all its micro-batches (``set_reshard_after_backward``
+  off until the last backward), as DeepSpeed's stage 2 keeps them whole; between steps FSDP2 keeps only
+  its shard of them.
 * ZeRO-3: FSDP2 ``fully_shard(reshard_after_forward=True)``: parameters are re-gathered for backward.
 * CPU offload (``offload_optimizer`` / ``offload_param`` "cpu", stage 2/3): FSDP2's ``CPUOffloadPolicy``
   (sharded parameters, gradients and the optimizer step on the CPU). nvme offload is DeepSpeed's only.
@@ -89,14 +90,19 @@ def shard_fsdp2(model, recipe, groups, device, layers_of: Callable):
 class DataParallelEngine(NativeEngine):
     """pipeline = 1: DDP, DDP + ZeroRedundancyOptimizer, or FSDP2, with the plugin's tensor parallelism."""
 
-    def __init__(self, *args, wrapped, loss_fn: Callable, data_sharded: bool, **kwargs):
+    def __init__(self, *args, wrapped, loss_fn: Callable, data_sharded: bool, gathered_through_step: bool, **kwargs):
         super().__init__(*args, **kwargs)
         self.wrapped = wrapped
         self.loss_fn = loss_fn
         self.data_sharded = data_sharded
+        self.gathered_through_step = gathered_through_step
 
-    def _no_sync(self, last: bool):
-        no_sync = getattr(self.wrapped, "no_sync", None)  # DDP: all-reduce once, at the last micro-batch
+    def _before_micro_batch(self, last: bool):
+        """DDP: all-reduce once, at the last micro-batch. FSDP2 at ZeRO-2: keep the gathered parameters from
+        one micro-batch to the next (DeepSpeed's stage 2 keeps them whole), reshard after the last backward."""
+        if self.gathered_through_step:
+            self.wrapped.set_reshard_after_backward(last)
+        no_sync = getattr(self.wrapped, "no_sync", None)
         return contextlib.nullcontext() if last or no_sync is None else no_sync()
 
     def train_step(self, batch) -> float:
@@ -104,7 +110,7 @@ class DataParallelEngine(NativeEngine):
         micro = self.micro_batches(batch)
         losses = []
         for i, (inputs, labels) in enumerate(micro):
-            with self._no_sync(i == len(micro) - 1):
+            with self._before_micro_batch(i == len(micro) - 1):
                 with self.autocast():
                     loss = self.loss_fn(self.wrapped(inputs), labels)
                 self.scale(loss / len(micro)).backward()
@@ -129,7 +135,8 @@ def _optimizer(module, recipe, groups, zero1: bool):
 
     cls, kwargs = optimizer_class_and_kwargs(recipe.optimizer)
     return ZeroRedundancyOptimizer(param_groups(module.parameters(), recipe.optimizer.weight_decay),
-                                   optimizer_class=cls, process_group=groups.get_data_parallel_group(), **kwargs)
+                                   optimizer_class=cls, process_group=groups.get_data_parallel_group(),
+                                   parameters_as_bucket_view=True, **kwargs)  # one broadcast per rank, not per tensor
 
 
 def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callable, apply_tp: Callable,
@@ -165,4 +172,4 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     return DataParallelEngine(recipe, layout, topology, groups, module, device, container=module,
                               optimizer=optimizer, scaler=build_scaler(recipe, device),
                               tensor_sharded=ids_of(module, sharded_names), wrapped=wrapped, loss_fn=loss_fn,
-                              data_sharded=stage >= 2)
+                              data_sharded=stage >= 2, gathered_through_step=stage == 2)

@@ -17,7 +17,7 @@ import pytest
 from .ports import free_port
 from .runs import ROOT, Run, cpu_env, recipe_variant
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.native]
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 STEPS, RTOL, TIMEOUT = 3, 1e-4, 240

@@ -1,0 +1,37 @@
+"""The native and Accelerate back ends refuse, before any process group, what they cannot do."""
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import plugin
+from plugin.checks import load_recipe
+from plugin.errors import PluginError, RecipeError
+
+
+def test_nvme_offload_is_refused_before_any_group(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    r = load_recipe("cpu_zero3_dp4")
+    r = dataclasses.replace(r, zero=dataclasses.replace(r.zero, offload_param="nvme", nvme_path="/nvme"))
+    with pytest.raises(RecipeError):
+        plugin.initialize(torch.nn.Linear(2, 2), r, backend="native")
+    assert "nvme offload is DeepSpeed's" in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
+
+
+def test_accelerate_traps_are_caught():
+    pytest.importorskip("accelerate")
+    from accelerate.utils import DistributedType
+
+    from plugin.engines.accelerate_engine import _check_accelerator
+
+    _check_accelerator(SimpleNamespace(num_processes=4, distributed_type=DistributedType.MULTI_CPU), "ddp", 4)
+    # `accelerate launch --multi_gpu` without cpu=True on a CPU machine: N copies of a world of one
+    copies = SimpleNamespace(num_processes=1, distributed_type=DistributedType.NO)
+    with pytest.raises(PluginError, match="--multi_gpu --num_processes 4"):
+        _check_accelerator(copies, "ddp", 4)
+    # Accelerate dropped the DeepSpeed plugin (ACCELERATE_USE_CPU forces plain DDP)
+    with pytest.raises(PluginError, match="DEEPSPEED"):
+        _check_accelerator(SimpleNamespace(num_processes=4, distributed_type=DistributedType.MULTI_CPU), "deepspeed", 4)
