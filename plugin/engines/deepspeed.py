@@ -107,6 +107,23 @@ def count_each_gradient_once(module, tp_rank: int) -> None:
             p.model_parallel = True
 
 
+def release_shm_buffer(rank: int) -> None:
+    """Unlink this rank's DeepSpeed CPU all-reduce buffer from /dev/shm.
+
+    On CPU with every rank on one node (``LOCAL_SIZE`` == world size: DeepSpeed's own launcher), DeepSpeed
+    0.19's shm comm op creates ``/dev/shm/deepspeed_allreduce_buffer_{uid}_{MASTER_ADDR}_{MASTER_PORT}_{rank}``
+    (about 68 MB) per rank and never unlinks it: every run leaks world x 68 MB of RAM-backed /dev/shm, and a
+    test suite fills the machine's memory. Call once no collective is left (the peers mapped it at start-up;
+    their mappings stay valid until they exit). Missing files (no shm op, other launchers) are fine.
+    """
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    try:
+        os.unlink(name)
+    except FileNotFoundError:
+        pass
+
+
 class DeepSpeedEngine(Engine):
     backend = "deepspeed"
 
@@ -156,6 +173,15 @@ class DeepSpeedEngine(Engine):
         if "torch_rng" in state:
             torch.set_rng_state(state["torch_rng"])
         return state
+
+    def close(self) -> None:
+        """As every engine's, and unlink DeepSpeed's leaked shared-memory buffer (:func:`release_shm_buffer`)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+            release_shm_buffer(dist.get_rank())
+        super().close()
 
     def state_bytes(self) -> dict[str, int]:
         from .memory import deepspeed_state_bytes
