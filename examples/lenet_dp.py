@@ -104,6 +104,7 @@ def main(argv=None) -> int:
         correct = (engine.module(test_x.to(engine.device)).argmax(1).cpu() == test_y).float().mean().item()
     if engine.is_main:
         print(f"{source}: {engine.backend} over {engine.layout.data} process(es), held-out accuracy {correct:.1%}")
+    engine.close()
     return 0
 
 

@@ -2,7 +2,8 @@
 
 The order matters for users: the recipe and the launched world are checked on every rank before any
 process group exists (a mismatch exits everywhere within seconds, no hang), then the model's real dims
-against the recipe, then the back end builds groups, shards the model and wraps it.
+against the recipe, then the back end is chosen (DeepSpeed, Accelerate's Accelerator, or the native torch
+back end: :mod:`plugin.backends`) and builds groups, shards the model and wraps it.
 """
 from __future__ import annotations
 
@@ -51,6 +52,18 @@ def layers_of(model) -> list:
                       "has no to_layers() -> pass a list of modules or an nn.Sequential")
 
 
+def _warn_on_launch_precision(recipe: Recipe, env) -> None:
+    """``accelerate launch --mixed_precision X`` that disagrees with the recipe: the recipe decides; say so once."""
+    from .backends import ACCELERATE_MARK
+
+    launched = os.environ.get(ACCELERATE_MARK)
+    wanted = {"fp32": "no"}.get(recipe.precision, recipe.precision)
+    if env.is_main and launched not in (None, wanted):
+        print(f"{recipe.source}: $.precision: warning: accelerate launch --mixed_precision {launched} is ignored; the "
+              f'recipe\'s "precision": "{recipe.precision}" decides -> launch with --mixed_precision {wanted}',
+              file=sys.stderr)
+
+
 def _fail(problems: list[Problem], env) -> None:
     if env.is_main:
         print("\n".join(p.format() for p in problems), file=sys.stderr, flush=True)
@@ -86,6 +99,7 @@ def initialize(model, recipe: Union[Recipe, str, Path], *, loss_fn: Optional[Cal
     ensure_single_process_env()
     device = _device(env)
     backend = backend or choose_backend(recipe, device.type)
+    _warn_on_launch_precision(recipe, env)
     if backend == "native":  # chosen because deepspeed is missing: what only DeepSpeed does is refused now
         from .checks import native_back_end_problems
 

@@ -3,7 +3,8 @@ processes (``plugin.initialize(..., backend="native")``, so it runs with or with
 
 * FSDP2 on top of tensor parallelism (tp2 x dp2 at ZeRO-2 and ZeRO-3), sequence parallelism with DDP, a
   pipeline with activation checkpointing, FSDP2 with CPU offload: 3 steps equal to one process (fp32,
-  rtol 1e-4), and the global gradient norm of the first step equal to the single-process norm;
+  rtol 1e-4, with an evaluation between the first two), and the global gradient norm of the first step equal
+  to the single-process norm;
 * bf16 (autocast with DDP / pipeline stages, MixedPrecisionPolicy with FSDP2) and fp16 (the same plus
   ShardedGradScaler): 3 steps that track the fp32 losses (bf16 within 1%, fp16 within 0.5%);
 * what each rank holds (``state_bytes``): ZeRO-1 a quarter of the optimizer states, ZeRO-3 a quarter of
@@ -88,6 +89,8 @@ def _train(recipe):
     for step in range(STEPS):
         losses.append(engine.train_step(data.global_batch(step, engine.layout.global_batch)))
         norm = norm if norm is not None else engine.last_grad_norm
+        if step == 0:  # an evaluation between steps must leave training exactly as it was
+            engine.eval_step(data.global_batch(0, engine.layout.global_batch, split="eval"))
     return engine, losses, norm
 
 
