@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from ..clip import clip_by_global_norm
-from . import native_state
 from .base import Engine
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -30,6 +29,21 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def compute_dtype(recipe) -> Optional[torch.dtype]:
     return _DTYPES.get(recipe.precision)
+
+
+def tensor_parallel_rngs(module: torch.nn.Module) -> list:
+    """The tensor-parallel dropout streams the model's modules hold (``.rng`` or ``.tp.rng``), each once, in a
+    stable order: what checkpoints save and activation checkpointing replays."""
+    from ..tensor_parallel.random import TensorParallelRNG
+
+    found, seen = [], set()
+    for m in module.modules():
+        for holder in (m, getattr(m, "tp", None)):
+            rng = getattr(holder, "rng", None)
+            if isinstance(rng, TensorParallelRNG) and id(rng) not in seen:
+                seen.add(id(rng))
+                found.append(rng)
+    return found
 
 
 def build_scaler(recipe, device: torch.device):
@@ -102,9 +116,13 @@ class NativeEngine(Engine):
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str, client_state: Optional[dict] = None) -> None:
+        from . import native_state
+
         native_state.save(self, directory, client_state)
 
     def load(self, directory: str) -> dict:
+        from . import native_state
+
         return native_state.load(self, directory)
 
     # ------------------------------------------------------------------ memory

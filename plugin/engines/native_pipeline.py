@@ -15,9 +15,17 @@ over the data group.
   ``torch.utils.checkpoint`` (non-reentrant), as DeepSpeed's PipelineModule checkpoints layer ranges.
 * The loss: the last stage's micro-batch mean, averaged over its data group, broadcast over the pipeline
   group, the same float on every rank (DeepSpeed's ``train_batch`` semantics).
+
+Known limit: the schedules infer activation shapes by running the first micro-batch once more on their first
+step (and after each switch between training and evaluation), inside ``torch.random.fork_rng``. That fork
+covers torch's default generators, not the plugin's tensor-parallel dropout streams, which therefore move on
+by one forward there: with dropout > 0 and tensor parallelism, a resumed run draws other (equally random)
+masks than the uninterrupted one. Without dropout (every parity recipe) nothing random is drawn.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Callable
 
 import torch
@@ -28,16 +36,22 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import PluginError
 from ..pipeline import stage_bounds, stages_of_rank
 from .native import _optimizer, tensor_sharded_names
-from .native_common import NativeEngine, build_scaler
+from .native_common import NativeEngine, build_scaler, tensor_parallel_rngs
 
 
 class StageModule(nn.Module):
-    """Consecutive layers of one stage, applied in order; keys are the layers' indices in the full list."""
+    """Consecutive layers of one stage, applied in order; keys are the layers' indices in the full list.
+
+    Under activation checkpointing the recomputation must draw the same dropout masks: torch's checkpoint
+    replays the default generators, and :func:`_replay_tensor_parallel_rngs` replays the tensor-parallel
+    streams (each tensor rank's own dropout stream inside sharded regions).
+    """
 
     def __init__(self, layers: dict[int, nn.Module], checkpoint_interval: int = 0):
         super().__init__()
         self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
         self.checkpoint_interval = checkpoint_interval
+        self.rngs = tensor_parallel_rngs(self) if checkpoint_interval else []
 
     def forward(self, x):
         layers = list(self.layers.values())
@@ -49,7 +63,8 @@ class StageModule(nn.Module):
         for start in range(0, len(layers), k):
             chunk = layers[start:start + k]
             if any(p.requires_grad for layer in chunk for p in layer.parameters()):
-                x = checkpoint(_run, chunk, x, use_reentrant=False)
+                x = checkpoint(_run, chunk, x, use_reentrant=False,
+                               context_fn=functools.partial(_replay_tensor_parallel_rngs, self.rngs))
             else:
                 x = _run(chunk, x)
         return x
@@ -59,6 +74,25 @@ def _run(layers, x):
     for layer in layers:
         x = layer(x)
     return x
+
+
+def _replay_tensor_parallel_rngs(rngs):
+    """checkpoint's (forward, recompute) contexts: the recompute starts the tensor-parallel streams where the
+    forward started them, and leaves them where the forward left them."""
+    at_forward = [rng.state_dict() for rng in rngs]
+
+    @contextlib.contextmanager
+    def recompute():
+        after_forward = [rng.state_dict() for rng in rngs]
+        for rng, state in zip(rngs, at_forward):
+            rng.load_state_dict(state)
+        try:
+            yield
+        finally:
+            for rng, state in zip(rngs, after_forward):
+                rng.load_state_dict(state)
+
+    return contextlib.nullcontext(), recompute()
 
 
 _SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from ..errors import PluginError
+from .native_common import tensor_parallel_rngs
 
 META = "native.json"
 
@@ -44,23 +45,9 @@ def _is_zero1(optimizer) -> bool:
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
-def _tp_rngs(module: torch.nn.Module) -> list:
-    """The tensor-parallel dropout streams held by the model's modules, in a stable order, each once."""
-    from ..tensor_parallel.random import TensorParallelRNG
-
-    found, seen = [], set()
-    for m in module.modules():
-        for holder in (m, getattr(m, "tp", None)):
-            rng = getattr(holder, "rng", None)
-            if isinstance(rng, TensorParallelRNG) and id(rng) not in seen:
-                seen.add(id(rng))
-                found.append(rng)
-    return found
-
-
 def _rank_state(engine, client_state: Optional[dict]) -> dict:
     state = {"step": engine.step_count, "torch_rng": torch.get_rng_state(),
-             "tp_rng": [r.state_dict() for r in _tp_rngs(engine.container)],
+             "tp_rng": [r.state_dict() for r in tensor_parallel_rngs(engine.container)],
              "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
              "client_state": dict(client_state or {})}
     if torch.cuda.is_available():
@@ -135,7 +122,7 @@ def load(engine, directory: str) -> dict:
     torch.set_rng_state(rank_state["torch_rng"])
     if "cuda_rng" in rank_state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rank_state["cuda_rng"])
-    for rng, states in zip(_tp_rngs(engine.container), rank_state["tp_rng"]):
+    for rng, states in zip(tensor_parallel_rngs(engine.container), rank_state["tp_rng"]):
         rng.load_state_dict(states)
     if engine.scaler is not None and rank_state.get("scaler"):
         engine.scaler.load_state_dict(rank_state["scaler"])

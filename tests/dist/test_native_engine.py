@@ -7,6 +7,7 @@ processes (``plugin.initialize(..., backend="native")``, so it runs with or with
   to the single-process norm;
 * bf16 (autocast with DDP / pipeline stages, MixedPrecisionPolicy with FSDP2) and fp16 (the same plus
   ShardedGradScaler): 3 steps that track the fp32 losses (bf16 within 1%, fp16 within 0.5%);
+* activation checkpointing with dropout under tensor and sequence parallelism: the same losses as without;
 * what each rank holds (``state_bytes``): ZeRO-1 a quarter of the optimizer states, ZeRO-3 a quarter of
   everything, against ZeRO-0's whole copy.
 
@@ -97,6 +98,12 @@ def _train(recipe):
 def _run_all(rank, world_size):
     out = {}
     references = {}
+    dropout = {"layers": 4, "hidden": 64, "heads": 4, "ffn_hidden": 256, "vocab": 128, "seq_len": 64, "dropout": 0.1}
+    for interval in (0, 1):  # tensor-parallel dropout streams replayed under activation checkpointing
+        pp = {"schedule": "1f1b", "partition": "uniform", "activation_checkpoint_interval": interval}
+        recipe = _recipe("cpu_tp2_pp2", {"model": dropout, "pipeline_parallel": pp,
+                                         "tensor_parallel": {"sequence_parallel": True}})
+        out[f"dropout_checkpoint_{interval}"] = _train(recipe)[1]
     for name, (base, blocks) in FP32.items():
         recipe = _recipe(base, blocks)
         _, losses, norm = _train(recipe)
@@ -135,6 +142,12 @@ def test_low_precision_tracks_fp32(name, results):
         assert losses == pytest.approx(want, rel=rtol), f"rank {rank}: {losses} vs fp32 {want}"
         assert losses[-1] < losses[0], f"rank {rank}: {losses} does not learn"
     assert len({tuple(out[name][0]) for out in results}) == 1, "every rank reports the same loss"
+
+
+def test_activation_checkpointing_replays_dropout(results):
+    """tp2 x pp2 with sequence parallelism and dropout 0.1: checkpointed layers recompute the same masks."""
+    for rank, out in enumerate(results):
+        assert out["dropout_checkpoint_1"] == out["dropout_checkpoint_0"], f"rank {rank}"
 
 
 def test_zero_stages_hold_their_share(results):
