@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..errors import PluginError
 from ..optim import build_optimizer, optimizer_class_and_kwargs, param_groups
 from .native_common import NativeEngine, build_scaler, compute_dtype
 
@@ -58,14 +59,14 @@ def fsdp_units(model: torch.nn.Module, layers_of: Callable) -> list[torch.nn.Mod
     and share no parameter with another layer (tied weights stay with the root)."""
     try:
         layers = layers_of(model)
-    except Exception:  # no layer list: the root alone
+    except PluginError:  # the model gives no layer list: the root alone is the unit
         return []
     own = {id(m) for m in model.modules() if m is not model}
     counts: dict[int, int] = {}
     for layer in layers:
         for p in layer.parameters():
             counts[id(p)] = counts.get(id(p), 0) + 1
-    return [layer for layer in layers if id(layer) in own and any(True for _ in layer.parameters())
+    return [layer for layer in layers if id(layer) in own and next(layer.parameters(), None) is not None
             and all(counts[id(p)] == 1 for p in layer.parameters())]
 
 
@@ -128,7 +129,8 @@ class DataParallelEngine(NativeEngine):
         return self.mean_over_data(torch.stack(losses).mean())
 
 
-def _optimizer(module, recipe, groups, zero1: bool):
+def native_optimizer(module, recipe, groups, zero1: bool):
+    """The recipe's torch optimizer, or ZeroRedundancyOptimizer over the data group for ZeRO-1."""
     if not zero1:
         return build_optimizer(module.parameters(), recipe.optimizer)
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -168,7 +170,7 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
                                           gradient_as_bucket_view=True)
     else:
         wrapped = module
-    optimizer = _optimizer(module, recipe, groups, zero1=stage == 1 and layout.data > 1)
+    optimizer = native_optimizer(module, recipe, groups, zero1=stage == 1 and layout.data > 1)
     return DataParallelEngine(recipe, layout, topology, groups, module, device, container=module,
                               optimizer=optimizer, scaler=build_scaler(recipe, device),
                               tensor_sharded=ids_of(module, sharded_names), wrapped=wrapped, loss_fn=loss_fn,

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import PluginError
 from ..pipeline import stage_bounds, stages_of_rank
-from .native import _optimizer, tensor_sharded_names
+from .native import native_optimizer, tensor_sharded_names
 from .native_common import NativeEngine, build_scaler, tensor_parallel_rngs
 
 
@@ -181,7 +181,7 @@ def build_pipeline(model, recipe, layout, topology, groups, *, device, layers_of
     container = nn.ModuleDict({str(s): m for s, m in modules.items()})
     sharded_names = tensor_sharded_names(container)
     zero1 = recipe.zero.stage == 1 and layout.data > 1
-    optimizer = _optimizer(container, recipe, groups, zero1=zero1)
+    optimizer = native_optimizer(container, recipe, groups, zero1=zero1)
     stages = []
     for s, module in modules.items():
         if layout.data > 1:

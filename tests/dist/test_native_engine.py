@@ -14,7 +14,6 @@ processes (``plugin.initialize(..., backend="native")``, so it runs with or with
 Each rank computes the single-process reference itself: the same GPT, AdamW groups, micro-batch loop and
 ``clip_grad_norm_`` (torch's formula is DeepSpeed's).
 """
-import dataclasses
 
 import pytest
 import torch
