@@ -92,6 +92,14 @@ class AccelerateEngine(Engine):
         self.step_count = self.progress.step
         return {"step": self.step_count, **self.progress.client_state}
 
+    def close(self) -> None:
+        if self.mode == "deepspeed" and torch.distributed.is_initialized():
+            from .deepspeed import release_shm_buffer
+
+            torch.distributed.barrier()
+            release_shm_buffer(torch.distributed.get_rank())  # DeepSpeed's comm op leaks it (see there)
+        super().close()
+
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds (:mod:`plugin.engines.memory`), as for the other back ends."""
         from .memory import deepspeed_state_bytes, held_bytes

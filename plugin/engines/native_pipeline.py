@@ -136,7 +136,7 @@ class PipelineEngine(NativeEngine):
                 self.schedule.eval(*args, target=target, losses=losses)
         if losses:
             scale = float(self.scaler.get_scale()) if self.scaler is not None else 1.0  # a power of 2: exact
-            loss = torch.stack([l.detach().float() for l in losses]).mean() / scale
+            loss = torch.stack([m.detach().float() for m in losses]).mean() / scale
         else:
             loss = torch.zeros((), device=self.device)
         if self.holds_last and self.layout.data > 1:
