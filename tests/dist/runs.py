@@ -105,3 +105,18 @@ def recipe_variant(base: str, tmp: Path, name: str, **changes) -> Path:
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(data, indent=2))
     return path
+
+
+# The parity suites' layouts (DeepSpeed and native): name -> (base recipe, replaced blocks). Each must give the
+# losses of `python train.py --recipe cpu_single`.
+PARITY_LAYOUTS = {
+    "cpu_dp4_zero0": ("cpu_dp4", {"zero": {"stage": 0}}),
+    "cpu_dp4_zero1": ("cpu_dp4", {}),
+    "cpu_dp4_zero2": ("cpu_dp4", {"zero": {"stage": 2}}),
+    "cpu_dp4_zero3": ("cpu_dp4", {"zero": {"stage": 3}}),
+    "cpu_zero3_dp4": ("cpu_zero3_dp4", {}),
+    "cpu_tp2_dp2": ("cpu_tp2_dp2", {}),
+    "cpu_pp2_dp2": ("cpu_pp2_dp2", {}),
+    "cpu_pp2_dp2_zero0": ("cpu_pp2_dp2", {"zero": {"stage": 0}}),  # DeepSpeed's non-ZeRO clipping path
+    "cpu_tp2_pp2": ("cpu_tp2_pp2", {}),
+}

@@ -11,24 +11,14 @@ from datetime import datetime
 
 import pytest
 
-from .runs import recipe_variant, train
+from .runs import PARITY_LAYOUTS, recipe_variant, train
 
 pytestmark = [pytest.mark.dist, pytest.mark.deepspeed]
 deepspeed = pytest.importorskip("deepspeed")
 
 STEPS, SAVE_AT, RTOL = 10, 5, 1e-4
 
-LAYOUTS = {  # name -> (base recipe, replaced blocks)
-    "cpu_dp4_zero0": ("cpu_dp4", {"zero": {"stage": 0}}),
-    "cpu_dp4_zero1": ("cpu_dp4", {}),
-    "cpu_dp4_zero2": ("cpu_dp4", {"zero": {"stage": 2}}),
-    "cpu_dp4_zero3": ("cpu_dp4", {"zero": {"stage": 3}}),
-    "cpu_zero3_dp4": ("cpu_zero3_dp4", {}),
-    "cpu_tp2_dp2": ("cpu_tp2_dp2", {}),
-    "cpu_pp2_dp2": ("cpu_pp2_dp2", {}),
-    "cpu_pp2_dp2_zero0": ("cpu_pp2_dp2", {"zero": {"stage": 0}}),  # DeepSpeed's non-ZeRO clipping path
-    "cpu_tp2_pp2": ("cpu_tp2_pp2", {}),
-}
+LAYOUTS = PARITY_LAYOUTS
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import math
 
 import pytest
 
-from .runs import recipe_variant, train
+from .runs import PARITY_LAYOUTS, recipe_variant, train
 
 pytestmark = [pytest.mark.dist, pytest.mark.native]
 
@@ -35,19 +35,9 @@ FULL_SUITE = "the full native suite runs where deepspeed is not installed (.ci/r
 
 PP_GPIPE = {"schedule": "gpipe", "partition": "uniform"}
 PP_INTERLEAVED = {"schedule": "interleaved_1f1b", "virtual_stages": 2, "partition": "uniform"}
-LAYOUTS = {  # name -> (base recipe, replaced blocks); the DeepSpeed suite's layouts, then native-only ones
-    "cpu_dp4_zero0": ("cpu_dp4", {"zero": {"stage": 0}}),
-    "cpu_dp4_zero1": ("cpu_dp4", {}),
-    "cpu_dp4_zero2": ("cpu_dp4", {"zero": {"stage": 2}}),
-    "cpu_dp4_zero3": ("cpu_dp4", {"zero": {"stage": 3}}),
-    "cpu_zero3_dp4": ("cpu_zero3_dp4", {}),
-    "cpu_tp2_dp2": ("cpu_tp2_dp2", {}),
-    "cpu_pp2_dp2": ("cpu_pp2_dp2", {}),
-    "cpu_pp2_dp2_zero0": ("cpu_pp2_dp2", {"zero": {"stage": 0}}),
-    "cpu_tp2_pp2": ("cpu_tp2_pp2", {}),
-    "cpu_pp2_dp2_gpipe": ("cpu_pp2_dp2", {"pipeline_parallel": PP_GPIPE}),
-    "cpu_tp2_pp2_interleaved": ("cpu_tp2_pp2", {"pipeline_parallel": PP_INTERLEAVED}),
-}
+LAYOUTS = {**PARITY_LAYOUTS,  # the DeepSpeed suite's layouts, then native-only schedules
+           "cpu_pp2_dp2_gpipe": ("cpu_pp2_dp2", {"pipeline_parallel": PP_GPIPE}),
+           "cpu_tp2_pp2_interleaved": ("cpu_tp2_pp2", {"pipeline_parallel": PP_INTERLEAVED})}
 # Under accelerate launch these run Accelerate's own engine (tensor = pipeline = 1, ZeRO-0, no deepspeed).
 ACCELERATE_ENGINE = {"cpu_dp4_zero0"}
 # With deepspeed installed: (layout, the recipe's launcher field, launchers of the two halves).

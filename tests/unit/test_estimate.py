@@ -161,7 +161,7 @@ def test_activations_agree_with_megatron_theoretical_memory_usage():
     """Megatron-LM's compute_activation_memory (sequence parallel, selective recompute; Table 2 based):
     sbhL(18 + 4f/h) + (8sbp + sbhp) in flight, x min(1, m/p), + 4sbh(1 + V/h) with p = 1, all / t.
     (We keep the 8sb token ids whole on every tensor rank; Megatron divides them by t too.)"""
-    s, b, h, L, V = GPT.seq_len, 2, GPT.hidden, GPT.layers, GPT.vocab
+    s, b, h, L = GPT.seq_len, 2, GPT.hidden, GPT.layers
     for t, p, m in [(2, 1, 8), (4, 1, 1), (2, 4, 16), (2, 4, 2)]:
         setup = Setup(tp=t, pp=p, micro_batch=b, micro_batches=m, sequence_parallel=True, recompute="selective",
                       fused_attention=False)
