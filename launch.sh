@@ -3,12 +3,14 @@
 #   ./launch.sh [--launcher auto|deepspeed|accelerate|torchrun] [--nproc N]
 #               [--nodes N --node-rank R --master ADDR:PORT | --hostfile FILE] [--dry-run] [RECIPE] [-- TRAIN_ARGS]
 # With no arguments it trains the default CPU recipe (cpu_dp4) on this machine. Exit 2: invalid recipe.
-# Python: $PYTHON, else the checkout's .venv, else python3.
+# Paths (RECIPE, --hostfile, TRAIN_ARGS such as --save DIR) are relative to the directory it is run from;
+# a bare name (cpu_tp2_dp2) is a shipped recipe. Python: $PYTHON, else the checkout's .venv, else python3.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 py="${PYTHON:-}"
 if [ -z "$py" ]; then
     if [ -x "$here/.venv/bin/python" ]; then py="$here/.venv/bin/python"; else py="python3"; fi
 fi
-cd "$here"
+# The checkout's plugin package, importable from any working directory (no cd: the user's paths stay theirs)
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 exec "$py" -m plugin.launch "$@"

@@ -8,13 +8,20 @@ Several nodes (run launch.sh once on each, with the same ``--master``): ``--node
 becomes torchrun ``--nnodes N --node_rank R --rdzv_endpoint A:P`` (static rendezvous), accelerate launch
 ``--num_machines N --machine_rank R --main_process_ip A --main_process_port P`` (with ``--num_processes`` the
 whole world), and deepspeed ``--no_ssh --node_rank R --master_addr A --master_port P`` with a generated
-hostfile (:func:`no_ssh_hostfile`). ``--hostfile FILE`` instead hands DeepSpeed its own ssh-based launch.
+hostfile (:func:`no_ssh_hostfile`). ``--hostfile FILE`` instead hands DeepSpeed its own ssh-based launch from
+one node: the hosts and slots come from the file (:func:`read_hostfile`), so the world checked against the
+recipe is the whole job's; without ``--master`` no address is passed and DeepSpeed's runner asks the first
+host for its own (``ssh HOST hostname -I``), with its default port.
+
+Relative paths (the recipe, the hostfile, train.py's own arguments) are the caller's: launch.sh does not
+change directory, and the recipe reaches train.py as an absolute path.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -65,10 +72,10 @@ class Request:
     recipe: str = DEFAULT_RECIPE
     launcher: str = "auto"
     nproc: Optional[int] = None  # processes per node
-    nodes: int = 1
+    nodes: int = 1  # with a hostfile: unused, the file's hosts are the nodes
     node_rank: int = 0
     master: Optional[str] = None  # ADDR:PORT
-    hostfile: Optional[str] = None
+    hostfile: Optional[str] = None  # a DeepSpeed hostfile: DeepSpeed's ssh-based launch of every host
     dry_run: bool = False
     train_args: list = field(default_factory=list)
 
@@ -77,6 +84,87 @@ class LaunchError(Exception):
     def __init__(self, message: str, code: int = 1):
         super().__init__(message)
         self.code = code
+
+
+@dataclass(frozen=True)
+class World:
+    """The launched job: ``per_node`` processes on each of ``nodes`` nodes, ``total`` in all. ``per_node`` is
+    None when each host of a hostfile runs as many as its slots (they may differ)."""
+
+    per_node: Optional[int]
+    nodes: int
+    total: int
+
+
+def check_train_script(recipe) -> list:
+    """What train.py needs beyond a valid recipe (launch.sh refuses up front what train.py would)."""
+    from .errors import Problem
+
+    if recipe.model is not None:
+        return []
+    return [Problem("$.model", "train.py builds its model from the recipe's model block", "add one",
+                    file=str(recipe.source))]
+
+
+_HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")  # deepspeed.launcher.runner._parse_hostfile's pattern
+
+
+def read_hostfile(path: str) -> dict[str, int]:
+    """``{host: slots}`` of a DeepSpeed hostfile, parsed as DeepSpeed's runner parses it: one ``HOST slots=N``
+    per line, blank lines and lines starting with ``#`` ignored; a bad line, a repeated host or no host at
+    all is an error (:class:`LaunchError`) naming the file and line."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise LaunchError(f"{path}: cannot read the hostfile ({reason}) -> give a readable DeepSpeed hostfile, "
+                          "one 'HOST slots=N' per line")
+    hosts: dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        found = _HOST_LINE.search(line)
+        if not found:
+            raise LaunchError(f"{path}: line {number}: {line!r} is not a host entry -> write 'HOST slots=N' "
+                              "(e.g. 'worker-1 slots=8'), or start a comment with #")
+        host, slots = found.group(1), int(found.group(2))
+        if host in hosts:
+            raise LaunchError(f"{path}: line {number}: host {host!r} is listed twice -> list each host once, "
+                              "with all its slots")
+        hosts[host] = slots
+    if not hosts:
+        raise LaunchError(f"{path}: the hostfile lists no host -> write one 'HOST slots=N' line per node")
+    return hosts
+
+
+def plan_world(recipe, req: "Request", machine: Machine) -> World:
+    """How many processes the launch starts, per node and in all.
+
+    Without a hostfile: :func:`processes_per_node` on each of ``--nodes``. With one, its hosts are the nodes:
+    ``--nproc`` per host, else the recipe's fixed world split evenly over the hosts, else (``"data": "auto"``)
+    every slot of every host. A host with fewer slots than it would run is an error.
+    """
+    if not req.hostfile:
+        nproc = processes_per_node(recipe, req, machine)
+        return World(nproc, req.nodes, nproc * req.nodes)
+    hosts = read_hostfile(req.hostfile)
+    nodes = len(hosts)
+    if req.nproc is not None:
+        per, why = req.nproc, f"--nproc {req.nproc}"
+    elif recipe.parallelism.data != "auto":
+        world = recipe.parallelism.data * recipe.parallelism.tensor * recipe.parallelism.pipeline
+        if world % nodes:
+            raise LaunchError(f"{req.hostfile}: the recipe's {world} processes do not split evenly over its {nodes} "
+                              "hosts -> list a number of hosts that divides them, or pass --nproc")
+        per, why = world // nodes, f"the recipe's {world} processes over {nodes} host(s)"
+    else:
+        return World(None, nodes, sum(hosts.values()))
+    short = [f"{h} (slots={s})" for h, s in hosts.items() if s < per]
+    if short:
+        raise LaunchError(f"{req.hostfile}: {why} puts {per} on each host, more than {', '.join(short[:3])} "
+                          "offers -> raise those slots, or run fewer processes per host")
+    return World(per, nodes, per * nodes)
 
 
 def pick_launcher(recipe, requested: str, machine: Machine) -> str:
@@ -141,29 +229,42 @@ def no_ssh_hostfile(nodes: int, slots: int) -> Path:
     return path
 
 
-def build_command(recipe_path: str, recipe, req: Request, machine: Machine) -> tuple[list[str], dict]:
-    """(argv, extra environment) of the launch."""
+def build_command(recipe_path: str, recipe, req: Request, machine: Machine,
+                  world: Optional[World] = None) -> tuple[list[str], dict]:
+    """(argv, extra environment) of the launch; ``world`` as :func:`plan_world` gives it (computed if None)."""
     launcher = pick_launcher(recipe, req.launcher, machine)
-    nproc = processes_per_node(recipe, req, machine)
-    addr, port = _split_master(req.master)
+    if req.hostfile and launcher != "deepspeed":
+        raise LaunchError(f"--hostfile is DeepSpeed's ssh-based launch; the {launcher} launcher cannot use it -> "
+                          "run launch.sh on each node with --nodes N --node-rank R --master ADDR:PORT, "
+                          "or use --launcher deepspeed")
+    world = world or plan_world(recipe, req, machine)
+    nproc = world.per_node
     bindir = Path(machine.python).parent
     train = [str(ROOT / "train.py"), "--recipe", recipe_path, *req.train_args]
     env = {}
     if not machine.gpus:
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
-    multi = req.nodes > 1 or req.hostfile
+    multi = req.nodes > 1
     if launcher == "deepspeed":
         exe = str(bindir / "deepspeed") if (bindir / "deepspeed").exists() else "deepspeed"
         cmd = [exe]
-        if req.hostfile:
+        if req.hostfile:  # DeepSpeed finds the master itself (first host, by ssh) unless --master says
             cmd += ["--hostfile", req.hostfile]
-        elif multi:
-            hosts = no_ssh_hostfile(req.nodes, nproc)
-            cmd += ["--hostfile", str(hosts), "--no_ssh", "--node_rank", str(req.node_rank)]
-        cmd += ["--num_gpus", str(nproc), "--master_addr", addr, "--master_port", str(port), *train]
+            cmd += ["--num_gpus", str(nproc)] if nproc is not None else []
+            if req.master:
+                addr, port = _split_master(req.master)
+                cmd += ["--master_addr", addr, "--master_port", str(port)]
+        else:
+            addr, port = _split_master(req.master)
+            if multi:
+                hosts = no_ssh_hostfile(req.nodes, nproc)
+                cmd += ["--hostfile", str(hosts), "--no_ssh", "--node_rank", str(req.node_rank)]
+            cmd += ["--num_gpus", str(nproc), "--master_addr", addr, "--master_port", str(port)]
+        cmd += train
         if not machine.gpus:
             env["DS_ACCELERATOR"] = "cpu"
     elif launcher == "torchrun":
+        addr, port = _split_master(req.master)
         cmd = [machine.python, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
         if multi:
             cmd += ["--nnodes", str(req.nodes), "--node_rank", str(req.node_rank), "--rdzv_endpoint", f"{addr}:{port}"]
@@ -171,6 +272,7 @@ def build_command(recipe_path: str, recipe, req: Request, machine: Machine) -> t
             cmd += ["--standalone"]
         cmd += train
     else:
+        addr, port = _split_master(req.master)
         cmd = [machine.python, "-m", "accelerate.commands.launch", "--num_processes", str(nproc * req.nodes),
                "--num_machines", str(req.nodes), "--machine_rank", str(req.node_rank),
                "--main_process_ip", addr, "--main_process_port", str(port)]
@@ -191,16 +293,20 @@ def parse(argv: list[str]) -> Request:
     p = argparse.ArgumentParser(prog="launch.sh", description="Validate a recipe, pick a launcher, train.")
     p.add_argument("--launcher", default="auto", choices=["auto", "deepspeed", "accelerate", "torchrun"])
     p.add_argument("--nproc", type=int, help="processes per node (default: from the recipe and the machine)")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--nodes", type=int, help="number of nodes (run launch.sh on each; default 1)")
+    p.add_argument("--node-rank", type=int, help="this node's rank, 0 .. nodes-1 (default 0)")
     p.add_argument("--master", help="ADDR:PORT of node 0")
-    p.add_argument("--hostfile", help="a DeepSpeed hostfile (deepspeed launcher only)")
+    p.add_argument("--hostfile", help="a DeepSpeed hostfile, 'HOST slots=N' per line: DeepSpeed starts every host "
+                                      "by ssh (deepspeed launcher only)")
     p.add_argument("--dry-run", action="store_true", help="print the command, start nothing")
     p.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE, help=f"default: {DEFAULT_RECIPE}")
     a = p.parse_args(argv)
-    if a.nodes > 1 and not a.master and not a.hostfile:
+    if a.hostfile and (a.nodes is not None or a.node_rank is not None):
+        p.error("--hostfile lists the nodes itself: drop --nodes/--node-rank (--master ADDR:PORT may stay)")
+    nodes, node_rank = a.nodes or 1, a.node_rank or 0
+    if nodes > 1 and not a.master:
         p.error("--nodes > 1 needs --master ADDR:PORT (or --hostfile)")
-    return Request(recipe=a.recipe, launcher=a.launcher, nproc=a.nproc, nodes=a.nodes, node_rank=a.node_rank,
+    return Request(recipe=a.recipe, launcher=a.launcher, nproc=a.nproc, nodes=nodes, node_rank=node_rank,
                    master=a.master, hostfile=a.hostfile, dry_run=a.dry_run, train_args=train_args)
 
 
@@ -218,13 +324,13 @@ def main(argv: Optional[list[str]] = None, machine: Optional[Machine] = None) ->
     if recipe is None:
         return 2
     try:
-        nproc = processes_per_node(recipe, req, machine)
-        _, check = validate(req.recipe, nproc * req.nodes)
-        errors = [p for p in check if p.is_error]
+        world = plan_world(recipe, req, machine)
+        _, check = validate(req.recipe, world.total)
+        errors = [p for p in check if p.is_error] + check_train_script(recipe)
         if errors:
             print("\n".join(p.format() for p in errors), file=sys.stderr)
             return 2
-        cmd, env = build_command(str(recipe.source), recipe, req, machine)
+        cmd, env = build_command(str(Path(recipe.source).resolve()), recipe, req, machine, world)
     except LaunchError as e:
         print(f"launch.sh: {e}", file=sys.stderr)
         return e.code

@@ -7,7 +7,7 @@ import pytest
 
 from plugin.checks import load_recipe
 from plugin.launch import LaunchError, Machine, Request, build_command, main, parse, pick_launcher, \
-    processes_per_node
+    processes_per_node, read_hostfile
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_ALL = Machine(gpus=0, cpus=2, has_deepspeed=True, has_accelerate=True, python="/venv/bin/python")
@@ -59,8 +59,6 @@ def test_commands():
     joined = " ".join(cmd)
     assert "--multi_gpu --num_processes 4 --num_machines 2 --machine_rank 1" in joined
     assert "--main_process_ip h --main_process_port 7" in joined and env["ACCELERATE_USE_CPU"] == "true"
-    cmd, _ = build_command("R.json", r, Request(hostfile="hosts"), GPU8)
-    assert cmd[1:3] == ["--hostfile", "hosts"]
 
 
 def test_parse():
@@ -94,3 +92,88 @@ def test_deepspeed_on_several_nodes_without_ssh_gets_a_hostfile():
     assert hostfile.read_text() == "node0 slots=2\nnode1 slots=2\n"
     assert cmd[cmd.index("--no_ssh") + 1:][:2] == ["--node_rank", "1"]
     assert cmd[cmd.index("--master_addr") + 1] == "10.0.0.1" and cmd[cmd.index("--master_port") + 1] == "29500"
+
+
+def _hostfile(tmp_path, text):
+    path = tmp_path / "hosts"
+    path.write_text(text)
+    return str(path)
+
+
+def test_hostfile_is_read_as_deepspeed_reads_it(tmp_path):
+    from deepspeed.launcher.runner import _parse_hostfile  # the reference: DeepSpeed's own parser
+
+    text = "# two workers\n\nworker-1 slots=4\n  worker-2   slots=2 # spare\n"
+    assert read_hostfile(_hostfile(tmp_path, text)) == dict(_parse_hostfile(text.splitlines(True)))
+    for bad, why in [("worker-1\n", "line 1: 'worker-1' is not a host entry"),
+                     ("a slots=1\n# c\na slots=2\n", "line 3: host 'a' is listed twice"),
+                     ("# nothing\n\n", "lists no host")]:
+        with pytest.raises(LaunchError, match=why):
+            read_hostfile(_hostfile(tmp_path, bad))
+    with pytest.raises(LaunchError, match="missing: cannot read the hostfile"):
+        read_hostfile(str(tmp_path / "missing"))
+
+
+def test_hostfile_launch_leaves_the_master_to_deepspeed(tmp_path, capsys):
+    """DeepSpeed's runner asks the first host for its address only when no --master_addr is given: a
+    127.0.0.1 would point every node at itself."""
+    hosts = _hostfile(tmp_path, "# cluster\nworker-1 slots=4\nworker-2 slots=4\n")
+    assert main(["--dry-run", "--hostfile", hosts, "cpu_dp4"], machine=CPU_ALL) == 0
+    cmd = capsys.readouterr().out.split()
+    assert "--master_addr" not in cmd and "--master_port" not in cmd and "--no_ssh" not in cmd
+    at = cmd.index("--hostfile")
+    assert cmd[at:at + 4] == ["--hostfile", hosts, "--num_gpus", "2"], "cpu_dp4's 4 processes over 2 hosts"
+    assert main(["--dry-run", "--hostfile", hosts, "--master", "10.0.0.1:6000", "cpu_dp4"], machine=CPU_ALL) == 0
+    cmd = capsys.readouterr().out.split()
+    assert cmd[cmd.index("--master_addr") + 1] == "10.0.0.1" and cmd[cmd.index("--master_port") + 1] == "6000"
+
+
+def test_hostfile_hosts_and_slots_make_the_world_checked(tmp_path, capsys):
+    two = _hostfile(tmp_path, "worker-1 slots=4\nworker-2 slots=4\n")
+    # --nproc 4 on each of 2 hosts is a world of 8: cpu_dp4 (4) is refused before anything starts
+    assert main(["--dry-run", "--hostfile", two, "--nproc", "4", "cpu_dp4"], machine=CPU_ALL) == 2
+    assert "but the launcher runs 8" in capsys.readouterr().err
+    # "data": "auto" takes every slot: 8 processes, tensor 2 x data 4, DeepSpeed uses each host's slots
+    assert main(["--dry-run", "--hostfile", two, "tp2_auto"], machine=CPU_ALL) == 0
+    assert "--num_gpus" not in capsys.readouterr().out.split()
+    uneven = _hostfile(tmp_path, "a slots=3\nb slots=2\n")  # 5 processes cannot hold tensor 2
+    assert main(["--dry-run", "--hostfile", uneven, "tp2_auto"], machine=CPU_ALL) == 2
+    assert "cannot fill a world of 5 processes" in capsys.readouterr().err
+    small = _hostfile(tmp_path, "a slots=1\nb slots=1\n")
+    assert main(["--dry-run", "--hostfile", small, "cpu_dp4"], machine=CPU_ALL) == 1
+    assert "puts 2 on each host, more than a (slots=1), b (slots=1) offers" in capsys.readouterr().err
+    three = _hostfile(tmp_path, "a slots=4\nb slots=4\nc slots=4\n")
+    assert main(["--dry-run", "--hostfile", three, "cpu_dp4"], machine=CPU_ALL) == 1
+    assert "4 processes do not split evenly over its 3 hosts" in capsys.readouterr().err
+
+
+def test_hostfile_errors_are_clear(tmp_path, capsys):
+    assert main(["--dry-run", "--hostfile", str(tmp_path / "nope"), "cpu_dp4"], machine=CPU_ALL) == 1
+    assert "nope: cannot read the hostfile (No such file or directory)" in capsys.readouterr().err
+    hosts = _hostfile(tmp_path, "a slots=2\nb slots=2\n")
+    assert main(["--dry-run", "--hostfile", hosts, "--launcher", "torchrun", "cpu_dp4"], machine=CPU_ALL) == 1
+    assert "the torchrun launcher cannot use it" in capsys.readouterr().err
+    assert main(["--dry-run", "--hostfile", hosts, "--nodes", "2", "cpu_dp4"], machine=CPU_ALL) == 1
+    assert "--hostfile lists the nodes itself" in capsys.readouterr().err
+
+
+def test_a_recipe_without_a_model_block_is_refused_as_train_py_would(capsys):
+    assert main(["--dry-run", str(ROOT / "examples" / "lenet_dp.json")], machine=CPU_ALL) == 2
+    assert "lenet_dp.json: $.model: train.py builds its model from the recipe's model block -> add one" in \
+        capsys.readouterr().err
+
+
+def test_launch_sh_resolves_paths_against_the_callers_directory(tmp_path):
+    """No cd: a recipe given relative to the caller's directory is found, train.py gets it absolute, and
+    train.py's own relative paths (--save, --metrics) are passed unchanged to run in the caller's directory."""
+    (tmp_path / "mine.json").write_text((ROOT / "recipes" / "cpu_dp4.json").read_text().replace(
+        '"name": "cpu_dp4"', '"name": "mine"'))
+    env = {"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([str(ROOT / "launch.sh"), "--dry-run", "mine.json", "--", "--save", "ck", "--metrics",
+                          "m.jsonl"], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-7:] == [str(ROOT / "train.py"), "--recipe", str(tmp_path / "mine.json"), "--save",
+                                       "ck", "--metrics", "m.jsonl"]
+    out = subprocess.run([str(ROOT / "launch.sh"), "--dry-run", "cpu_tp2_dp2"], capture_output=True, text=True,
+                         cwd=tmp_path, env=env)
+    assert out.returncode == 0 and str(ROOT / "recipes" / "cpu_tp2_dp2.json") in out.stdout, out.stderr
