@@ -20,6 +20,7 @@ import torch
 import plugin
 from plugin.data import TextBatches
 from plugin.errors import PluginError, RecipeError
+from plugin.launch import check_train_script
 
 
 def parse_args(argv=None):
@@ -27,7 +28,8 @@ def parse_args(argv=None):
     p.add_argument("--recipe", required=True, help="a recipe path or a shipped recipe's name (cpu_dp4)")
     p.add_argument("--steps", type=int, default=50, help="train until this optimizer step (default 50)")
     p.add_argument("--seed", type=int, default=0, help="model init and data order")
-    p.add_argument("--metrics", help="rank 0 appends {step, loss, tokens_per_s} JSON lines here")
+    p.add_argument("--metrics", help="rank 0 writes {step, loss, tokens_per_s} JSON lines here; "
+                   "a path with {rank} in it: every rank writes its own")
     p.add_argument("--save", metavar="DIR", help="save a checkpoint there after the last step")
     p.add_argument("--resume", metavar="DIR", help="resume from a checkpoint written by --save")
     p.add_argument("--model", default="gpt", choices=["gpt", "gpt2", "llama"],
@@ -72,17 +74,16 @@ def main(argv=None):
     except RecipeError as e:
         print("\n".join(p.format() for p in e.errors), file=sys.stderr)
         return 2
-    if recipe.model is None:
-        print(f"{recipe.source}: $.model: train.py builds its model from the recipe's model block -> add one",
-              file=sys.stderr)
+    problems = check_train_script(recipe)  # launch.sh refuses the same up front
+    if problems:
+        print("\n".join(p.format() for p in problems), file=sys.stderr)
         return 2
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
     torch.manual_seed(args.seed)  # the same whole model on every rank; the plugin shards it
-    model = build_model(args.model, recipe.model)
     try:
-        engine = plugin.initialize(model, recipe)
+        engine = plugin.initialize(build_model(args.model, recipe.model), recipe)
     except RecipeError:
         return 2  # rank 0 already printed every problem
     except PluginError as e:
@@ -92,7 +93,9 @@ def main(argv=None):
     data = TextBatches(recipe.model.vocab, recipe.model.seq_len, seed=args.seed)
     start = engine.load(args.resume)["step"] if args.resume else 0
     main_rank = engine.is_main
-    metrics = open(args.metrics, "a" if args.resume else "w") if args.metrics and main_rank else None
+    metrics = None
+    if args.metrics and (main_rank or "{rank}" in args.metrics):
+        metrics = open(args.metrics.replace("{rank}", str(engine.rank)), "a" if args.resume else "w")
     progress = Progress(args.steps, start, main_rank)
     tokens = engine.layout.global_batch * recipe.model.seq_len
     losses, t0 = [], time.perf_counter()

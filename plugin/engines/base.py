@@ -66,8 +66,13 @@ class Engine(abc.ABC):
         return self.groups.get_data_parallel_rank()
 
     @property
+    def rank(self) -> int:
+        """This process's global rank (0 in a world of one)."""
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
     def is_main(self) -> bool:
-        return not dist.is_initialized() or dist.get_rank() == 0
+        return self.rank == 0
 
     def local_batch(self, batch):
         """This data rank's share of ``batch`` (given whole, or already split), on the engine's device."""
