@@ -103,12 +103,17 @@ def activation_terms_per_layer(seq_len: int, micro_batch: int, hidden: int, head
                                sequence_parallel: bool = False, recompute: str = "none",
                                kv_heads: Optional[int] = None, ffn_hidden: Optional[int] = None,
                                mlp: str = "gelu", bytes_per_value: float = 2,
-                               fused_attention: bool = False, dropout: bool = True) -> list[tuple[str, float]]:
+                               fused_attention: bool = False, dropout: bool = True,
+                               fused_swiglu: bool = True) -> list[tuple[str, float]]:
     """The stored activations of one transformer block for one micro-batch, each tensor named, in bytes.
 
     Korthikanti et al. 2022, Section 4.1, tensor by tensor (16-bit values, 1-byte dropout masks). With
     kv_heads = heads, ffn_hidden = 4h and a GELU MLP the sums are the paper's Table 2; ``kv_heads``,
-    ``ffn_hidden`` and ``mlp="swiglu"`` (gate and up outputs stored, 4sbf) generalise the same count.
+    ``ffn_hidden`` and ``mlp="swiglu"`` generalise the same count. SwiGLU, silu(x W_gate) * (x W_up), stores
+    the gate and up outputs (4sbf) and the down projection's input (2sbf), 6sbf in all: a fused kernel
+    (Megatron's ``bias_swiglu_impl``, which recomputes silu in backward). Eager PyTorch (``F.silu(gate) * up``,
+    as in transformers' ``LlamaMLP``) also keeps silu(gate) for the multiplication's backward, 2sbf more
+    (8sbf): ``fused_swiglu=False`` counts it (``bench/activations_vs_torch.py`` measures both).
     Tensor parallelism divides the tensors inside the attention and MLP regions by t; sequence
     parallelism divides the rest (norm inputs, the QKV and fc1 inputs, dropout masks) by t as well.
     Selective recompute drops the attention core (softmax, its dropout, the 5as^2b terms); full recompute
@@ -149,6 +154,8 @@ def activation_terms_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     ]
     if mlp == "swiglu":
         terms.append(("gate_and_up_outputs", 4 * w * s * b * f / t))
+        if not fused_swiglu:
+            terms.append(("silu_output", 2 * w * s * b * f / t))
     else:
         terms.append(("gelu_input", 2 * w * s * b * f / t))
     terms += [
@@ -162,7 +169,8 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
                                sequence_parallel: bool = False, recompute: str = "none",
                                kv_heads: Optional[int] = None, ffn_hidden: Optional[int] = None,
                                mlp: str = "gelu", bytes_per_value: float = 2,
-                               fused_attention: bool = False, dropout: bool = True) -> float:
+                               fused_attention: bool = False, dropout: bool = True,
+                               fused_swiglu: bool = True) -> float:
     """Activation bytes of one transformer block for one micro-batch: Korthikanti et al. 2022, Table 2.
 
     ==========================================  =========================
@@ -177,13 +185,13 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     The extra keywords (GQA ``kv_heads``, ``ffn_hidden``, ``mlp="swiglu"``, ``bytes_per_value=4`` for fp32)
     generalise the count; left at their defaults the result is the table's formula exactly.
     ``fused_attention=True`` drops the 5as/h terms (FlashAttention stores no softmax); ``dropout=False``
-    the dropout masks (and 3as/h of the 5as/h).
+    the dropout masks (and 3as/h of the 5as/h); ``fused_swiglu=False`` counts eager SwiGLU (8sbf, not 6sbf).
     See :func:`activation_terms_per_layer` for the tensors.
     """
     return sum(v for _, v in activation_terms_per_layer(
         seq_len, micro_batch, hidden, heads, tp=tp, sequence_parallel=sequence_parallel, recompute=recompute,
         kv_heads=kv_heads, ffn_hidden=ffn_hidden, mlp=mlp, bytes_per_value=bytes_per_value,
-        fused_attention=fused_attention, dropout=dropout))
+        fused_attention=fused_attention, dropout=dropout, fused_swiglu=fused_swiglu))
 
 
 # ============================================================== pipeline
@@ -201,18 +209,32 @@ def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> flo
 
 def micro_batches_in_flight(stage: int, pp: int, micro_batches: int, schedule: str = "1f1b",
                             virtual_stages: int = 1) -> float:
-    """Micro-batches whose activations a stage holds at its peak.
+    """Micro-batches whose activations a stage holds at its peak, in units of one micro-batch through the
+    whole stage (all its layers).
 
-    1F1B: stage i warms up with p - i forward passes before its first backward (Korthikanti et al.
-    2022, 4.2.3: the first stage holds p); GPipe: all m; interleaved 1F1B: Megatron's
-    ``theoretical_memory_usage.py`` factor, p(1 + (p-1)/(pv)) on the first stage. Never more than m.
+    - 1F1B: stage i warms up with p - i forward passes before its first backward (Korthikanti et al.
+      2022, 4.2.3: the first stage holds p); never more than m.
+    - GPipe: all m forwards before any backward.
+    - interleaved 1F1B (v model chunks per rank, each 1/v of the stage): rank i runs
+      W_i = (v - 1) g + 2(p - 1 - i) chunk forwards before its first backward, then one forward before each
+      backward, so it holds W_i + 1 chunks (all m v when W_i reaches m v): (W_i + 1)/v micro-batches.
+      g is the micro-batches per round: torch.distributed.pipelining's ``ScheduleInterleaved1F1B``
+      (``_get_warmup_ops``, torch 2.13) takes g = m / max(1, m // p), which is p when p divides m; Megatron-LM
+      (``get_pp_rank_microbatches``) takes g = ``microbatch_group_size_per_vp_stage``, p by default. The
+      first stage holds p + (p-1)/v, Megatron's ``theoretical_memory_usage.py`` factor p(1 + (p-1)/(pv));
+      the last holds p - (p-1)/v, not 1: every rank keeps (v-1)/v of a round in flight. (Megatron runs
+      m = p entirely as warm-up, p micro-batches on every stage; torch caps W_i at m v as above.)
     """
     if pp == 1:
         return 1.0
     if schedule == "gpipe":
         return float(micro_batches)
     if schedule == "interleaved_1f1b":
-        return float(min(micro_batches, (pp - stage) + (pp - 1) / virtual_stages))
+        v = virtual_stages
+        per_round = micro_batches // max(1, micro_batches // pp)
+        chunks = micro_batches * v
+        warmup = min((v - 1) * per_round + 2 * (pp - 1 - stage), chunks)
+        return min(warmup + 1, chunks) / v
     return float(min(micro_batches, pp - stage))
 
 
@@ -239,6 +261,7 @@ class Setup:
     offload_param: bool = False
     fused_attention: bool = True  # FlashAttention / SDPA: the softmax is not stored
     dropout: bool = True  # dropout masks stored (the paper's assumption; a recipe says model.dropout)
+    fused_swiglu: bool = True  # a SwiGLU MLP stores 6sbf (fused kernel), not eager PyTorch's 8sbf
 
     @property
     def world_size(self) -> int:
@@ -348,7 +371,8 @@ def stage_memory(spec: ModelSpec, setup: Setup, stage: int) -> Breakdown:
         return activation_bytes_per_layer(s, b, h, spec.heads, tp=t, sequence_parallel=sp, recompute=mode,
                                           kv_heads=spec.kv, ffn_hidden=spec.ffn, mlp=spec.mlp,
                                           bytes_per_value=setup.bytes_per_value,
-                                          fused_attention=setup.fused_attention, dropout=setup.dropout)
+                                          fused_attention=setup.fused_attention, dropout=setup.dropout,
+                                          fused_swiglu=setup.fused_swiglu)
 
     if setup.recompute == "full":
         k = max(1, min(setup.checkpoint_interval, layers or 1))
@@ -420,7 +444,10 @@ def communication_per_rank(spec: ModelSpec, setup: Setup, stage: int = 0) -> lis
       plus a reduce-scatter, the same bytes (Korthikanti et al. 4.2.2); full recompute repeats the
       forward two. The vocab-parallel embedding adds one all-reduce forward, the output layer one backward.
     - pipeline: per micro-batch, activations (sbh, /t under sequence parallelism) to the next stage and
-      their gradients to the previous one.
+      their gradients to the previous one. With tied embeddings over more than one stage, the first and
+      the last stage each hold the (vocab-parallel) embedding and all-reduce its gradient between them once
+      per step (Megatron's ``_allreduce_word_embedding_grads``, DeepSpeed's ``allreduce_tied_weight_gradients``):
+      a ring of 2 sends the whole shard, Vh/t gradient values, from each of the two.
     """
     t, dp, m = setup.tp, setup.dp, setup.micro_batches
     p_bytes, g_bytes, _ = setup.state_bytes()
@@ -457,4 +484,8 @@ def communication_per_rank(spec: ModelSpec, setup: Setup, stage: int = 0) -> lis
             out.append(CommTerm("pipeline_send_activations", "pipeline", m * msg, m))
         if stage > 0:
             out.append(CommTerm("pipeline_send_gradients", "pipeline", m * msg, m))
+        if spec.tied_embeddings and stage in (0, setup.pp - 1):
+            shard = spec.padded_vocab(t) * spec.hidden / t
+            out.append(CommTerm("tied_embedding_grad_allreduce", "pipeline",
+                                2 * ring_factor(2) * shard * g_bytes, 1))
     return out

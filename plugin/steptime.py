@@ -12,11 +12,22 @@ The model, term by term (all per optimizer step, on the slowest pipeline stage):
   critical path (Megatron does not overlap them), over NVLink when the tensor group is inside a node.
 - pipeline bubble: (p-1)/m (or /v interleaved) of the pipelined time (Narayanan et al. 2021, 2.2), and
   the point-to-point sends, two per schedule slot, on the critical path.
-- data-parallel communication, exposed part: gradient reduction overlaps the backward pass it follows
-  (the last micro-batch's with pp = 1; none with pp > 1, where DeepSpeed's PipelineEngine reduces after
-  the flush); ZeRO-2 reduce-scatters and ZeRO-3 gathers overlap each micro-batch's compute, except one
-  module's worth per pass (the first gather has nothing to hide behind, the last bucket waits); the
-  ZeRO-1/2 parameter all-gather after the step is exposed.
+- data-parallel communication, exposed part, as DeepSpeed runs it (the engine ``launcher: "auto"``
+  picks where DeepSpeed is installed) with the ``zero_optimization`` the plugin writes, where
+  ``overlap_comm`` keeps DeepSpeed's default, off at ZeRO 0-2 and on at ZeRO-3 (``zero/config.py``,
+  ``overlap_comm_valid``), DeepSpeed 0.19.8:
+  ZeRO-0 all-reduces the gradients after the last backward (``engine.allreduce_gradients`` from
+  ``_backward_epilogue``), all of it exposed; ZeRO-1 reduces them at the accumulation boundary in the same
+  place (``reduce_gradients``), exposed; ZeRO-2 reduces each bucket from the gradient hooks during every
+  micro-batch's backward, but without ``overlap_comm`` on the compute stream, so it waits for it: all m
+  reductions exposed; the ZeRO-1/2 all-gather of the updated parameters after the step is exposed.
+  ZeRO-3 (``overlap_comm`` on) prefetches its gathers and reduces on a side stream under each
+  micro-batch's compute, except one module's worth per pass (the first gather has nothing to hide behind,
+  the last bucket waits). With pp > 1 DeepSpeed's PipelineEngine reduces after the flush: exposed.
+  torch DDP (the native engine under torchrun or accelerate) overlaps its bucketed all-reduce with the
+  last backward instead: for it the ZeRO-0 term here is an upper bound.
+- tied embeddings over pipeline stages: the embedding-gradient all-reduce between the first and the last
+  stage, once per step after the flush, exposed.
 - optimizer step: the sharded Adam update reads and writes about 28 bytes per parameter (fp32 master,
   two moments, the gradient, the new 16-bit weight), at HBM bandwidth.
 
@@ -196,6 +207,8 @@ def step_time(spec: ModelSpec, setup: Setup, hw: Hardware = HARDWARE["h100"], gp
         hops = comm.get("pipeline_send_activations", 0.0) or comm.get("pipeline_send_gradients", 0.0)
         # Two sends per schedule slot (an activation forward, a gradient backward), m + p - 1 slots.
         terms.append(("pipeline_p2p", 2 * (m + p - 1) * hops / m))
+    if "tied_embedding_grad_allreduce" in comm:
+        terms.append(("embedding_allreduce", comm["tied_embedding_grad_allreduce"]))
     module = _module_seconds(spec, setup, hw, gpus_per_node)
     terms.append(("data_parallel_exposed", _exposed_data_comm(setup, comm, x, module)))
     terms.append(("optimizer_step", _optimizer_seconds(spec, setup, hw)))
@@ -206,7 +219,7 @@ def step_time(spec: ModelSpec, setup: Setup, hw: Hardware = HARDWARE["h100"], gp
 
 def _module_seconds(spec: ModelSpec, setup: Setup, hw: Hardware, gpus_per_node: int) -> float:
     """One all-gather (or reduce-scatter) of the largest module over the data group: the part of each
-    ZeRO-2/3 pass that no prefetch or bucketing can hide (the first gather, the last bucket)."""
+    ZeRO-3 pass that no prefetch or bucketing can hide (the first gather, the last bucket)."""
     if setup.dp == 1:
         return 0.0
     inside = group_inside_node("data", setup, gpus_per_node)
@@ -217,18 +230,14 @@ def _module_seconds(spec: ModelSpec, setup: Setup, hw: Hardware, gpus_per_node: 
 
 
 def _exposed_data_comm(setup: Setup, comm: dict[str, float], x: dict, module: float) -> float:
+    """Data-parallel seconds compute does not hide, as DeepSpeed runs each stage (module docstring)."""
     m = setup.micro_batches
-    fwd, bwd = x["forward"], x["backward"] + x["recompute"]
-    window = bwd if setup.pp == 1 else 0.0  # the last backward hides the gradient reduction
     if setup.zero_stage == 0:
-        return max(0.0, comm.get("gradient_allreduce", 0.0) - window)
-    if setup.zero_stage == 1:
-        return max(0.0, comm.get("gradient_reduce_scatter", 0.0) - window) + comm.get("parameter_allgather", 0.0)
-    if setup.zero_stage == 2:
-        # A reduce-scatter after every micro-batch's backward; its last bucket always waits.
-        per_mb = comm.get("gradient_reduce_scatter", 0.0) / m
-        return m * max(module, per_mb - window) + comm.get("parameter_allgather", 0.0)
+        return comm.get("gradient_allreduce", 0.0)
+    if setup.zero_stage in (1, 2):  # ZeRO-2: the m reduce-scatters are summed in the one term
+        return comm.get("gradient_reduce_scatter", 0.0) + comm.get("parameter_allgather", 0.0)
     # ZeRO-3: gathers prefetched under the compute of each pass, except the first module's.
+    fwd, bwd = x["forward"], x["backward"] + x["recompute"]
     gather_f = comm.get("zero3_parameter_allgather_forward", 0.0) / m
     gather_b = comm.get("zero3_parameter_allgather_backward", 0.0) / m
     scatter = comm.get("gradient_reduce_scatter", 0.0) / m

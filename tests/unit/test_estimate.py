@@ -6,6 +6,7 @@ total with sequence parallelism. GB = 10^9 bytes throughout, as in the ZeRO pape
 """
 from __future__ import annotations
 
+import dataclasses
 import decimal
 
 import pytest
@@ -121,6 +122,12 @@ def test_activation_generalisations():
         activation_bytes_per_layer(s, b, h, a, recompute="selective")
     swiglu = activation_bytes_per_layer(s, b, h, a, mlp="swiglu")
     assert swiglu - base == 2 * s * b * 4 * h  # gate and up (4sbf) instead of the GELU input (2sbf)
+    # eager PyTorch also keeps silu(gate) for the product's backward: 8sbf in the MLP instead of 6sbf
+    eager = activation_bytes_per_layer(s, b, h, a, mlp="swiglu", fused_swiglu=False)
+    assert eager - swiglu == 2 * s * b * 4 * h
+    assert activation_bytes_per_layer(s, b, h, a, fused_swiglu=False) == base  # GELU: nothing to fuse
+    eager_setup = memory_per_rank(get_preset("llama2-7b"), Setup(fused_swiglu=False)).get("activations")
+    assert eager_setup > memory_per_rank(get_preset("llama2-7b"), Setup()).get("activations")
     masks = sum(v for k, v in activation_terms_per_layer(s, b, h, a) if k.endswith("mask"))
     fp32 = activation_bytes_per_layer(s, b, h, a, bytes_per_value=4)
     assert fp32 == 2 * base - masks  # 2-byte values double, 1-byte masks do not
@@ -151,6 +158,93 @@ def test_micro_batches_in_flight():
     assert micro_batches_in_flight(0, 4, 16, "gpipe") == 16
     assert micro_batches_in_flight(0, 4, 16, "interleaved_1f1b", 2) == 4 + 3 / 2
     assert micro_batches_in_flight(0, 1, 16) == 1
+
+
+@pytest.mark.parametrize("p,v", [(2, 2), (4, 2), (8, 2), (2, 4), (4, 4), (8, 4)])
+def test_interleaved_in_flight_per_stage(p, v):
+    """Rank i holds (v-1)p + 2(p-1-i) + 1 chunks of 1/v stage each (Megatron / torch warm-up + one)."""
+    m = 4 * p
+    got = [micro_batches_in_flight(i, p, m, "interleaved_1f1b", v) for i in range(p)]
+    assert got == [((v - 1) * p + 2 * (p - 1 - i) + 1) / v for i in range(p)]
+    assert got[0] == p + (p - 1) / v  # Megatron's theoretical_memory_usage.py: p (1 + (p-1)/(pv))
+    assert got[-1] == p - (p - 1) / v  # not 1 + (p-1)/v: the last stage keeps most of a round too
+    # and never more than all m micro-batches
+    assert micro_batches_in_flight(0, p, 2, "interleaved_1f1b", v) <= 2
+
+
+def _megatron_interleaved_order(rank, p, v, m):
+    """One rank's (op, micro-batch, chunk) order, written from Megatron-LM's interleaved schedule
+    (``forward_backward_pipelining_with_interleaving``: warm-up 2(p-rank-1) + (v-1)p, then 1F1B, then
+    cool-down; chunk of the k-th op ``(k % pv) // p``, reversed for backward; micro-batch ``(k // pv) p + k % p``)."""
+    total = m * v
+    warmup = min(2 * (p - rank - 1) + (v - 1) * p, total)
+
+    def chunk(k, forward):
+        c = (k % (p * v)) // p
+        return c if forward else v - 1 - c
+
+    def mb(k):
+        return (k // (p * v)) * p + k % p
+
+    ops = [("F", mb(k), chunk(k, True)) for k in range(warmup)]
+    for k in range(total - warmup):
+        ops += [("F", mb(k + warmup), chunk(k + warmup, True)), ("B", mb(k), chunk(k, False))]
+    return ops + [("B", mb(k), chunk(k, False)) for k in range(total - warmup, total)]
+
+
+def _simulate_peaks(p, v, m):
+    """Run every rank's order under the schedule's dependencies (a forward needs the previous virtual
+    stage's forward, a backward its own forward and the next virtual stage's backward), one op per rank per
+    tick; return each rank's peak of chunk activations held. Fails on a deadlock."""
+    orders = [_megatron_interleaved_order(r, p, v, m) for r in range(p)]
+    done, pos, held, peak = set(), [0] * p, [0] * p, [0] * p
+    last = p * v - 1
+    for _ in range(10 * m * v * p):
+        if all(pos[r] == len(orders[r]) for r in range(p)):
+            return peak
+        ready = []
+        for r in range(p):
+            if pos[r] == len(orders[r]):
+                continue
+            op, mb, c = orders[r][pos[r]]
+            vs = c * p + r  # virtual stage, the "loop" placement
+            if op == "F":
+                ok = vs == 0 or ("F", mb, vs - 1) in done
+            else:
+                ok = ("F", mb, vs) in done and (vs == last or ("B", mb, vs + 1) in done)
+            if ok:
+                ready.append((r, (op, mb, vs)))
+        assert ready, "the schedule deadlocked"
+        for r, key in ready:  # what became possible this tick runs this tick
+            done.add(key)
+            pos[r] += 1
+            held[r] += 1 if key[0] == "F" else -1
+            peak[r] = max(peak[r], held[r])
+    raise AssertionError("the schedule did not finish")
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 2, 16), (2, 4, 8), (4, 4, 8), (4, 4, 12), (8, 2, 16)])
+def test_interleaved_in_flight_against_a_simulated_schedule(p, v, m):
+    peaks = _simulate_peaks(p, v, m)
+    assert [micro_batches_in_flight(i, p, m, "interleaved_1f1b", v) for i in range(p)] == [k / v for k in peaks]
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (4, 4, 16), (4, 2, 4), (4, 2, 10), (4, 4, 3)])
+def test_interleaved_in_flight_against_torch_schedule(p, v, m):
+    """torch.distributed.pipelining's own ScheduleInterleaved1F1B order (what the native engine runs),
+    including its rounds for m not a multiple of p and its cap for m <= p."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    from types import SimpleNamespace
+
+    rounds = max(1, m // p)
+    fake = SimpleNamespace(n_local_stages=v, microbatches_per_round=m // rounds, pp_group_size=p, _n_microbatches=m)
+    for rank in range(p):
+        held = peak = 0
+        for action in schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, rank):
+            if action is not None:
+                held += {"FORWARD": 1, "FULL_BACKWARD": -1}.get(action.computation_type.name, 0)
+                peak = max(peak, held)
+        assert micro_batches_in_flight(rank, p, m, "interleaved_1f1b", v) == peak / v, rank
 
 
 # ---------------------------------------------------------------- a whole rank
@@ -242,6 +336,24 @@ def test_tensor_and_pipeline_volumes():
     middle = communication_per_rank(GPT, pipe, stage=1)
     assert _bytes(middle, "pipeline_send_activations") == m * sbh2 == _bytes(middle, "pipeline_send_gradients")
     assert _bytes(communication_per_rank(GPT, pipe, stage=0), "pipeline_send_gradients") == 0
+
+
+def test_tied_embedding_gradient_allreduce_across_pipeline_stages():
+    """The first and last stage each hold the tied embedding and all-reduce its gradient once per step."""
+    tied, untied = GPT, dataclasses.replace(GPT, tied_embeddings=False)
+    pipe = Setup(pp=4, tp=2, micro_batches=8)
+    shard = GPT.padded_vocab(2) * GPT.hidden / 2
+    for stage in (0, 3):
+        terms = communication_per_rank(tied, pipe, stage=stage)
+        assert _bytes(terms, "tied_embedding_grad_allreduce") == shard * 2  # ring of 2: the whole shard, bf16
+        assert [t.calls for t in terms if t.name == "tied_embedding_grad_allreduce"] == [1]
+    assert _bytes(communication_per_rank(tied, pipe, stage=1), "tied_embedding_grad_allreduce") == 0
+    assert _bytes(communication_per_rank(untied, pipe, stage=0), "tied_embedding_grad_allreduce") == 0
+    assert _bytes(communication_per_rank(tied, Setup(tp=2), stage=0), "tied_embedding_grad_allreduce") == 0
+    from plugin.steptime import step_time
+
+    assert step_time(tied, pipe).get("embedding_allreduce") > 0
+    assert step_time(untied, pipe).get("embedding_allreduce") == 0
 
 
 # ---------------------------------------------------------------- parameter counts
