@@ -1,11 +1,13 @@
 """Transformer dimensions and the parameter counts that follow from them (pure).
 
-A :class:`ModelSpec` is a recipe's ``model`` block plus the architecture choices the block does not
-state: the MLP kind (GELU with two matrices, or Llama's SwiGLU with three), the norm (LayerNorm with a
-bias, or RMSNorm), linear biases, learned position embeddings or RoPE, tied input/output embeddings.
-A recipe's ``model`` block describes the plugin's reference GPT (``plugin/models/gpt.py``): GELU MLP,
-LayerNorm, biases, learned positions, an untied output layer; :meth:`ModelSpec.from_recipe_model` assumes
-exactly that. Presets (:mod:`plugin.presets`) say their own architecture.
+A :class:`ModelSpec` is a recipe's ``model`` block (dimensions and dropout) plus the architecture choices
+the block does not state: the MLP kind (GELU with two matrices, or Llama's SwiGLU with three), the norm
+(LayerNorm with a bias, or RMSNorm), linear biases, learned position embeddings or RoPE, tied input/output
+embeddings. A recipe's ``model`` block describes the plugin's reference GPT (``plugin/models/gpt.py``,
+built by ``train.py``): GELU MLP, LayerNorm, biases, learned positions, an untied output layer;
+:meth:`ModelSpec.from_recipe_model` assumes exactly that, and :meth:`ModelSpec.as_recipe_model` turns any
+spec into the model a recipe of its dimensions describes. Presets (:mod:`plugin.presets`) say their own
+architecture.
 
 Counting (Megatron-LM's ``theoretical_memory_usage.py`` counts the same way), with
 h = hidden, a = heads, g = kv_heads, d = h/a, f = ffn_hidden, V = vocab, s = seq_len:
@@ -48,6 +50,7 @@ class ModelSpec:
     bias: bool = True
     positions: str = "learned"
     tied_embeddings: bool = True
+    dropout: float = 0.0  # the recipe block's dropout probability; > 0 stores dropout masks
     name: str = "model"
     source: str = field(default="", compare=False)
 
@@ -144,7 +147,7 @@ class ModelSpec:
         output layer of its own: :class:`plugin.models.gpt.GPTConfig` leaves embeddings untied by default)."""
         return cls(layers=model.layers, hidden=model.hidden, heads=model.heads, vocab=model.vocab,
                    seq_len=model.seq_len, kv_heads=model.kv_heads, ffn_hidden=model.ffn_hidden,
-                   tied_embeddings=False, name=name)
+                   tied_embeddings=False, dropout=model.dropout, name=name)
 
     def with_seq_len(self, seq_len: int) -> "ModelSpec":
         return dataclasses.replace(self, seq_len=seq_len)
@@ -157,7 +160,28 @@ class ModelSpec:
         if self.ffn != 4 * self.hidden:
             block["ffn_hidden"] = self.ffn
         block.update(vocab=self.vocab, seq_len=self.seq_len)
+        if self.dropout:
+            block["dropout"] = self.dropout
         return block
+
+    def as_recipe_model(self) -> "ModelSpec":
+        """The model a recipe with :meth:`to_model_block` describes: these dimensions and dropout in the
+        reference GPT's architecture (what :meth:`from_recipe_model` of that block gives, name kept)."""
+        return dataclasses.replace(self, **_REFERENCE_GPT)
+
+    def is_recipe_model(self) -> bool:
+        """Whether a recipe's model block can describe this model exactly (it is the reference GPT)."""
+        return all(getattr(self, k) == v for k, v in _REFERENCE_GPT.items())
+
+    def architecture_differences(self, other: "ModelSpec") -> list[str]:
+        """How this model's architecture differs from ``other``'s, in words (``[]``: the same)."""
+        words = {"mlp": {"gelu": "a GELU MLP (2 matrices)", "swiglu": "a SwiGLU MLP (3 matrices)"},
+                 "norm": {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"},
+                 "bias": {True: "biases", False: "no biases"},
+                 "positions": {"learned": "learned positions", "rope": "RoPE"},
+                 "tied_embeddings": {True: "tied embeddings", False: "an untied output layer"}}
+        return [f"{words[k][getattr(self, k)]} instead of {words[k][getattr(other, k)]}"
+                for k in words if getattr(self, k) != getattr(other, k)]
 
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -165,23 +189,29 @@ class ModelSpec:
         return out
 
 
+# The architecture of the reference GPT, which is what a recipe's model block describes.
+_REFERENCE_GPT = {"mlp": "gelu", "norm": "layernorm", "bias": True, "positions": "learned", "tied_embeddings": False}
+
 _INT_FIELDS = ("layers", "hidden", "heads", "vocab", "seq_len", "kv_heads", "ffn_hidden")
 _CHOICES = {"mlp": MLP_KINDS, "norm": NORM_KINDS, "positions": POSITION_KINDS}
 _BOOLS = ("bias", "tied_embeddings")
-# Keys a --model JSON may carry besides the dims: the recipe block's dropout, and a preset's notes.
-_IGNORED = ("dropout", "source", "name", "description", "aliases", "paper_params")
+# Keys a --model JSON may carry besides the dims and dropout: a preset's notes.
+_IGNORED = ("source", "name", "description", "aliases", "paper_params")
 
 
 def spec_from_dict(data: Mapping[str, Any], name: str = "model",
                    where: str = "$") -> tuple[Optional[ModelSpec], list[Problem]]:
-    """A :class:`ModelSpec` from a recipe ``model`` block (plus optional architecture keys), or problems."""
+    """A :class:`ModelSpec` from a recipe ``model`` block (plus optional architecture keys), or problems.
+
+    Architecture keys left out take the reference GPT's values (an untied output layer among them), so a
+    plain recipe model block gives the model a recipe with that block trains."""
     import difflib
 
     problems: list[Problem] = []
     if not isinstance(data, Mapping):
         return None, [Problem(where, f"a model is a JSON object, not {type(data).__name__}",
                               "give layers, hidden, heads, vocab and seq_len")]
-    known = set(_INT_FIELDS) | set(_CHOICES) | set(_BOOLS) | set(_IGNORED)
+    known = set(_INT_FIELDS) | set(_CHOICES) | set(_BOOLS) | set(_IGNORED) | {"dropout"}
     for key in data:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
@@ -202,6 +232,10 @@ def spec_from_dict(data: Mapping[str, Any], name: str = "model",
     for key in _BOOLS:
         if key in data and not isinstance(data[key], bool):
             problems.append(Problem(f"{where}.{key}", f"{data[key]!r} is not true or false", "use true or false"))
+    dropout = data.get("dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        problems.append(Problem(f"{where}.dropout", f"{dropout!r} is not a probability in [0, 1)",
+                                "give a number from 0 up to (not including) 1"))
     if problems:
         return None, problems
     heads, kv = data["heads"], data.get("kv_heads") or data["heads"]
@@ -210,7 +244,9 @@ def spec_from_dict(data: Mapping[str, Any], name: str = "model",
                                 "grouped-query attention needs heads divisible by kv_heads"))
     if problems:
         return None, problems
-    kwargs = {k: data[k] for k in (*_INT_FIELDS, *_CHOICES, *_BOOLS) if k in data}
+    # An architecture key left out is the reference GPT's: a bare recipe model block is that model.
+    kwargs = {**_REFERENCE_GPT, **{k: data[k] for k in (*_INT_FIELDS, *_CHOICES, *_BOOLS) if k in data}}
+    kwargs["dropout"] = float(dropout)
     return ModelSpec(name=str(data.get("name", name)), source=str(data.get("source", "")), **kwargs), []
 
 

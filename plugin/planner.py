@@ -7,15 +7,21 @@ its fastest micro-batch (so the top K are K different layouts, not one layout's 
 A layout is valid when the tensor size divides heads, kv_heads, hidden and ffn_hidden, the pipeline has
 no more stages than layers, and the data size divides the global batch. Those whose most loaded rank
 fits in the usable memory (:func:`plugin.estimate.usable_memory`) are ranked by
-:func:`plugin.steptime.step_time`, ties by memory.
+:func:`plugin.steptime.step_time` (DeepSpeed's overlap behaviour, see there), ties by memory.
 
 Tensor groups stay inside a node: layouts whose tensor groups would cross nodes are tried only when no
 other fits, and the result says so. Memory grows with the micro-batch size, so the search stops at the
-first micro-batch that does not fit; 512 GPUs take well under a second.
+first micro-batch that does not fit; 512 GPUs take well under a second. A cluster is whole nodes alike
+(a recipe's ``cluster`` is nodes x gpus_per_node): more GPUs than one node holds must be a multiple of it.
 
-The recompute modes default to what a recipe can say: ``none`` and ``full`` (``pipeline_parallel.
-activation_checkpoint_interval`` = 1). ``selective`` is estimated but has no recipe field yet. Attention
-is taken as fused (FlashAttention) and dropout as on (its masks counted), the conservative choice.
+The recompute modes are what a recipe (v1) can say: ``none`` and ``full`` (``pipeline_parallel.
+activation_checkpoint_interval`` = 1). Selective recompute is estimated (:mod:`plugin.estimate`) but a
+recipe has no field for it, so it is not searched. Attention is taken as fused (FlashAttention), a SwiGLU
+MLP as a fused kernel (6sbf), dropout masks as counted when the model's dropout is above 0.
+
+``as_recipe=True`` ranks the model a recipe of the model's dimensions describes (the reference GPT,
+:meth:`plugin.dims.ModelSpec.as_recipe_model`) instead of the model itself: what ``--write`` writes, and
+what ``estimate`` of the written recipe counts. :mod:`plugin.plan_recipe` writes and checks it.
 """
 from __future__ import annotations
 
@@ -25,12 +31,13 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from .dims import ModelSpec, params_text
-from .estimate import Breakdown, Setup, bubble_fraction, memory_per_rank, usable_memory
+from .estimate import Breakdown, Setup, memory_per_rank, usable_memory
+from .plan_reasons import explain
 from .steptime import HARDWARE, Hardware, StepTime, group_inside_node, step_time
-from .units import fmt_gb, fmt_seconds
+from .units import fmt_gb
 
 DEFAULT_TOKENS_PER_BATCH = 2**22  # about 4M tokens, the batch Llama 2 trained with
-RECIPE_RECOMPUTE = ("none", "full")
+RECIPE_RECOMPUTE = ("none", "full")  # what a v1 recipe can say; "selective" has no field
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,8 @@ class PlanResult:
     notes: tuple[str, ...] = ()
     closest: Optional[Plan] = None  # the least-memory layout, when nothing fits
     advice: str = ""
+    requested: Optional[ModelSpec] = None  # the model asked for, when ``spec`` is its recipe model instead
+    assumptions: tuple[str, ...] = ()
 
     @property
     def usable(self) -> float:
@@ -81,7 +90,8 @@ class PlanResult:
             "global_batch": self.global_batch, "tokens_per_step": self.global_batch * self.spec.seq_len,
             "hardware": self.hardware.to_json(),
             "considered": self.considered, "fitting": self.fitting,
-            "notes": list(self.notes), "advice": self.advice,
+            "requested_model": self.requested.to_json() if self.requested else None,
+            "notes": list(self.notes), "assumptions": list(self.assumptions), "advice": self.advice,
             "plans": [p.to_json() for p in self.plans],
             "closest": self.closest.to_json() if self.closest else None,
         }
@@ -142,7 +152,7 @@ class _Search:
                     for mb in micro_sizes:
                         setup = Setup(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch=mb,
                                       micro_batches=per_replica // mb, recompute=mode, sequence_parallel=sp,
-                                      precision=self.precision)
+                                      precision=self.precision, dropout=self.spec.dropout > 0)
                         self.considered += 1
                         memory = memory_per_rank(self.spec, setup)
                         if self.smallest is None or memory.total < self.smallest[0]:
@@ -158,90 +168,73 @@ class _Search:
 
 def plan(spec: ModelSpec, gpus: int, gpu_memory: float, *, gpus_per_node: int = 8,
          global_batch: Optional[int] = None, top: int = 5, hardware: Hardware = HARDWARE["h100"],
-         precision: str = "bf16", recompute_modes: Sequence[str] = RECIPE_RECOMPUTE) -> PlanResult:
-    """Rank every valid layout of ``spec`` on ``gpus`` accelerators of ``gpu_memory`` bytes each."""
+         precision: str = "bf16", recompute_modes: Sequence[str] = RECIPE_RECOMPUTE,
+         as_recipe: bool = False) -> PlanResult:
+    """Rank every valid layout of ``spec`` on ``gpus`` accelerators of ``gpu_memory`` bytes each.
+
+    ``as_recipe``: rank the model a recipe of ``spec``'s dimensions describes (module docstring). Raises
+    ValueError for sizes below 1 and for more GPUs than a node holds that do not fill whole nodes.
+    """
     if gpus < 1 or gpus_per_node < 1 or top < 1:
         raise ValueError(f"gpus, gpus_per_node and top must be >= 1, got {gpus}, {gpus_per_node}, {top}")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise ValueError(whole_nodes_message(gpus, gpus_per_node))
+    requested = None
+    notes: list[str] = []
+    if as_recipe and not spec.is_recipe_model():
+        requested, spec = spec, spec.as_recipe_model()
+        notes.append(f"ranked as the model the written recipe describes: the reference GPT with "
+                     f"{requested.name}'s dimensions, so " + ", ".join(spec.architecture_differences(requested))
+                     + f" ({params_text(spec.total_params())} parameters, not {params_text(requested.total_params())});"
+                     f" a recipe's model block cannot state {requested.name}'s own architecture")
+    elif not spec.is_recipe_model():
+        notes.append(f"ranked as {spec.name} itself; a recipe's model block describes the reference GPT ("
+                     + ", ".join(spec.as_recipe_model().architecture_differences(spec))
+                     + "), so --write ranks that model instead")
     batch = global_batch if global_batch is not None else default_global_batch(gpus, spec.seq_len)
     usable, reserve = usable_memory(gpu_memory)
     search = _Search(spec, gpus, gpus_per_node, usable, batch, hardware, precision, tuple(recompute_modes))
     search.run(cross_node=False)
-    notes: list[str] = []
     if not search.fits:
         search.run(cross_node=True)
         if search.fits:
             notes.append(f"no layout with tensor groups inside a node ({gpus_per_node} GPUs) fits; these "
                          f"split tensor groups across nodes, whose all-reduces go over InfiniBand")
     best = heapq.nsmallest(top, search.fits)
-    plans = _explain([Plan(setup=s, memory=m, time=t) for _, _, _, s, m, t in best], usable, spec,
+    plans = explain([Plan(setup=s, memory=m, time=t) for _, _, _, s, m, t in best], usable, spec,
                      gpus_per_node)
     result = PlanResult(spec=spec, gpus=gpus, gpus_per_node=gpus_per_node, gpu_memory=gpu_memory,
                         global_batch=batch, hardware=hardware, plans=tuple(plans), considered=search.considered,
-                        fitting=len(search.fits), notes=tuple(notes))
+                        fitting=len(search.fits), notes=tuple(notes), requested=requested,
+                        assumptions=assumptions(spec, recompute_modes))
     if plans:
         return result
     return _nothing_fits(result, search, usable, reserve)
 
 
-# ------------------------------------------------------------------ reasons
-def _term_detail(name: str, plan: Plan, spec: ModelSpec, gpus_per_node: int) -> str:
-    """Words for one step-time term of a plan, with the numbers behind it."""
-    s = plan.setup
-    if name == "compute":
-        if s.pp > 1 and spec.layers % s.pp:
-            return (f"uneven pipeline stages ({spec.layers_on_stage(0, s.pp)} blocks on the first stage, "
-                    f"{spec.layers / s.pp:.1f} on average)")
-        if s.pp > 1:
-            return "the output layer, which the last pipeline stage computes on top of its blocks"
-        return "more compute per GPU"
-    if name == "recompute":
-        return f"{s.recompute} recompute repeats the forward pass"
-    if name == "tensor_communication":
-        where = "inside a node" if is_tensor_inside_node(s, gpus_per_node) else "across nodes"
-        return f"tensor-parallel all-reduces over {s.tp} ranks {where}, 4 per block per micro-batch"
-    if name == "pipeline_bubble":
-        return (f"the pipeline bubble, (p-1)/m = {s.pp - 1}/{s.micro_batches} = "
-                f"{bubble_fraction(s.pp, s.micro_batches):.0%}")
-    if name == "pipeline_p2p":
-        return f"activation sends between {s.pp} pipeline stages"
-    if name == "data_parallel_exposed":
-        kind = {0: "gradient all-reduce", 1: "ZeRO-1 gather of the updated weights",
-                2: "ZeRO-2 reduce-scatters and weight gather", 3: "ZeRO-3 parameter gathers"}[s.zero_stage]
-        return f"the {kind} over {s.dp} ranks, where compute cannot hide it"
-    if name == "optimizer_step":
-        return "the optimizer step over a larger shard"
-    return name
+def whole_nodes_message(gpus: int, gpus_per_node: int) -> str:
+    """Why ``gpus`` that do not fill whole nodes are refused, and what to use instead."""
+    lo, hi = gpus // gpus_per_node * gpus_per_node, -(-gpus // gpus_per_node) * gpus_per_node
+    fits = [d for d in divisors(gpus) if 1 < d < gpus_per_node][-2:]
+    other = f", or --gpus-per-node {' or '.join(map(str, reversed(fits)))}" if fits else ""
+    return (f"--gpus {gpus} does not fill whole nodes of --gpus-per-node {gpus_per_node}: a recipe's cluster is "
+            f"nodes x gpus_per_node, every node alike, and launchers start the same number of processes on "
+            f"each -> use --gpus {lo} or {hi}{other}")
 
 
-def _explain(plans: list[Plan], usable: float, spec: ModelSpec, gpus_per_node: int) -> list[Plan]:
-    """Give each plan its rank and the reason for its place (against #1)."""
-    if not plans:
-        return []
-    first = plans[0]
-    out = []
-    for i, p in enumerate(plans, start=1):
-        share = {k: v / p.time.total for k, v in p.time.terms}
-        if i == 1:
-            overhead = max((k for k in share if k != "compute"), key=lambda k: share[k])
-            reason = (f"fastest: compute is {share['compute']:.0%} of the step; the largest overhead is "
-                      f"{_term_detail(overhead, p, spec, gpus_per_node)} ({share[overhead]:.0%})")
-        else:
-            delta = p.time.total - first.time.total
-            if delta <= 1e-3 * first.time.total:
-                more = p.memory.total - first.memory.total
-                reason = (f"as fast as #1 in this model; ranked below it for using {fmt_gb(more)} more memory"
-                          if more > 0 else "as fast as #1 in this model")
-            else:
-                diffs = {k: v - first.time.get(k) for k, v in p.time.terms}
-                worst = max(diffs, key=lambda k: diffs[k])
-                detail = _term_detail(worst, p, spec, gpus_per_node)
-                reason = (f"{delta / first.time.total:+.1%} step time, mostly {detail} "
-                          f"(+{fmt_seconds(diffs[worst])})")
-        if p.setup.recompute != "none" and all(q.setup.recompute != "none" for q in plans):
-            reason += "; recompute is needed to fit"
-        reason += f"; {fmt_gb(usable - p.memory.total)} headroom"
-        out.append(Plan(setup=p.setup, memory=p.memory, time=p.time, rank=i, reason=reason))
-    return out
+def assumptions(spec: ModelSpec, recompute_modes: Sequence[str]) -> tuple[str, ...]:
+    """What the ranking takes for granted, in words (printed by ``plan``)."""
+    modes = " and ".join(recompute_modes)
+    out = [f"recompute searched: {modes}"
+           + ("; selective recompute is not searched: a recipe (v1) has no field for it" if "selective"
+              not in recompute_modes else ""),
+           "data-parallel traffic timed as DeepSpeed runs it (overlap_comm off at ZeRO 0-2: gradient "
+           "reductions exposed; on at ZeRO-3: gathers prefetched); torch DDP would hide more of ZeRO-0's",
+           "attention fused (FlashAttention / SDPA: no stored softmax); dropout "
+           + (f"{spec.dropout:g}: masks counted" if spec.dropout else "off (no masks)")]
+    if spec.mlp == "swiglu":
+        out.append("SwiGLU as a fused kernel (6sbf stored); eager PyTorch stores 8sbf")
+    return tuple(out)
 
 
 # ------------------------------------------------------------------ nothing fits
@@ -287,7 +280,7 @@ def _gpus_that_fit(spec: ModelSpec, gpus: int, gpus_per_node: int, usable: float
                 zero = 3 if (pp == 1 and dp > 1) else (1 if dp > 1 else 0)
                 setup = Setup(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch=1, micro_batches=max(pp, 1),
                               recompute=modes[-1], sequence_parallel=tp > 1 and spec.seq_len % tp == 0,
-                              precision=precision)
+                              precision=precision, dropout=spec.dropout > 0)
                 if memory_per_rank(spec, setup).total <= usable:
                     return n
     return None
@@ -296,7 +289,7 @@ def _gpus_that_fit(spec: ModelSpec, gpus: int, gpus_per_node: int, usable: float
 def describe_result(result: PlanResult) -> str:
     """One line on what was searched: model, GPUs, batch, hardware assumptions."""
     spec = result.spec
-    nodes = max(1, math.ceil(result.gpus / result.gpus_per_node))
+    nodes = max(1, result.gpus // result.gpus_per_node)
     return (f"{spec.name} ({params_text(spec.total_params())} parameters, seq {spec.seq_len}) on {result.gpus} "
             f"GPUs ({nodes} node{'s' if nodes > 1 else ''} of {min(result.gpus, result.gpus_per_node)}), "
             f"{fmt_gb(result.gpu_memory, 0)} each ({fmt_gb(result.usable)} usable); global batch "
@@ -307,49 +300,3 @@ def describe_result(result: PlanResult) -> str:
 def _tokens(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
 
-
-def is_tensor_inside_node(setup: Setup, gpus_per_node: int) -> bool:
-    return group_inside_node("tensor", setup, gpus_per_node)
-
-
-# ------------------------------------------------------------------ the winner as a recipe
-def to_recipe_data(plan_: Plan, result: PlanResult, name: str = "") -> dict:
-    """A recipe (JSON data) for a plan: degrees, ZeRO stage, batch, memory savers, model and cluster.
-
-    Full recompute is written as ``pipeline_parallel.activation_checkpoint_interval: 1`` (a checkpoint at
-    every block). The model block carries the dimensions only: a recipe has no field for the MLP kind,
-    norm or embeddings tying, so an engine builds its reference GPT from it (see :mod:`plugin.dims`).
-    """
-    import re
-
-    s, spec = plan_.setup, result.spec
-    if s.recompute == "selective":
-        raise ValueError("a recipe has no field for selective recompute; plan with recompute_modes "
-                         "('none', 'full') to write one")
-    name = name or f"plan_{spec.name}_{result.gpus}gpus"
-    name = re.sub(r"[^A-Za-z0-9_.-]", "_", name) or "plan"
-    nodes = max(1, math.ceil(result.gpus / result.gpus_per_node))
-    data: dict = {
-        "name": name,
-        "description": (f"Planned by `python -m plugin plan` for {spec.name} on {result.gpus} x "
-                        f"{fmt_gb(result.gpu_memory, 0)}: {fmt_gb(plan_.memory.total)} per GPU, "
-                        f"step about {fmt_seconds(plan_.time.total)} ({result.hardware.name} roofline)."),
-        "parallelism": {"data": s.dp, "tensor": s.tp, "pipeline": s.pp},
-        "zero": {"stage": s.zero_stage},
-    }
-    if s.tp > 1:
-        data["tensor_parallel"] = {"sequence_parallel": s.sequence_parallel, "plan": "auto"}
-    if s.pp > 1 or s.recompute == "full":
-        block: dict = {"schedule": s.schedule}
-        if s.recompute == "full":
-            block["activation_checkpoint_interval"] = s.checkpoint_interval
-        data["pipeline_parallel"] = block
-    data["batch"] = {"global": s.global_batch, "micro": s.micro_batch}
-    data["precision"] = s.precision
-    data["optimizer"] = {"name": "adamw", "lr": 0.0003, "weight_decay": 0.1, "betas": [0.9, 0.95]}
-    data["gradient_clipping"] = 1.0
-    data["model"] = spec.to_model_block()
-    data["cluster"] = {"nodes": nodes, "gpus_per_node": min(result.gpus, result.gpus_per_node),
-                       "gpu_memory_gb": round(result.gpu_memory / 1e9, 3)}
-    data["launcher"] = "auto"
-    return data

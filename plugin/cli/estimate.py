@@ -74,7 +74,8 @@ def _print(est) -> None:
     rows = [(name, fmt_seconds(v)) for name, v in est.time.terms if v > 0]
     rows.append(("total", fmt_seconds(est.time.total)))
     print_table("Step time (roofline)", ["term", "time"], rows, right=["time"])
-    print(f"roofline: {est.hardware.describe()}; pipeline bubble {est.bubble:.1%}; "
+    print(f"roofline: {est.hardware.describe()}; data-parallel traffic as DeepSpeed runs it (overlap_comm off "
+          f"at ZeRO 0-2, on at ZeRO-3); pipeline bubble {est.bubble:.1%}; "
           f"{est.time.tokens_per_second_per_gpu:,.0f} tokens/s per GPU; MFU {est.time.mfu:.0%}")
     head = (f"{fmt_bytes(total)} of {fmt_gb(est.usable)} usable ({fmt_gb(est.gpu_memory, 0)} per GPU less a "
             f"{fmt_gb(est.reserve)} reserve for the CUDA context, NCCL buffers and fragmentation)")

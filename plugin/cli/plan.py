@@ -1,11 +1,15 @@
 """``python -m plugin plan --model NAME|PATH.json --gpus N --gpu-memory 80GB ...``: the fastest layouts that fit.
 
-Searches every tensor x pipeline x data layout, ZeRO stage, micro-batch, recompute and sequence-parallel
-choice (:mod:`plugin.planner`), keeps those whose most loaded rank fits, ranks them by a roofline step
-time and prints the top K with the reason for each place. ``--write`` saves the winner as a recipe.
+Searches every tensor x pipeline x data layout, ZeRO stage, micro-batch, recompute (none or full: a v1
+recipe has no field for selective recompute) and sequence-parallel choice (:mod:`plugin.planner`), keeps
+those whose most loaded rank fits, ranks them by a roofline step time and prints the top K with the reason
+for each place and the assumptions behind the ranking. ``--write`` ranks the model the written recipe
+describes (the reference GPT of the model's dimensions, :mod:`plugin.plan_recipe`), saves the winner, and
+refuses to write it unless ``estimate`` of the recipe agrees with the plan and says it fits.
 
 Exit codes: 0 a layout fits, 3 none fits (the output says how far off the closest is and what to change),
-2 an invalid model file or a written recipe that does not validate, 1 usage error (bad size, unknown preset).
+2 an invalid model file or a written recipe that does not validate or agree with ``estimate``, 1 usage
+error (bad size, unknown preset, GPUs that do not fill whole nodes).
 """
 from __future__ import annotations
 
@@ -23,14 +27,17 @@ NOTHING_FITS = 3
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "plan", help="find the fastest layout that fits a model on a cluster",
-        description="Search every tensor x pipeline x data layout, ZeRO stage, micro-batch, recompute and "
+        description="Search every tensor x pipeline x data layout, ZeRO stage, micro-batch, recompute (none "
+                    "or full; selective recompute has no field in a v1 recipe, so it is not searched) and "
                     "sequence-parallel choice; keep those that fit; rank them by a roofline step time; print "
-                    "the top K with the reason for each place; --write saves the best as a recipe.",
+                    "the top K with the reason for each place; --write ranks the model the written recipe "
+                    "describes (the reference GPT of these dimensions) and saves the best as a recipe.",
         epilog="Exit codes: 0 a layout fits, 3 none fits, 2 invalid model file, 1 usage error. GB = 10^9 bytes.")
     p.add_argument("--model", required=True, metavar="NAME|PATH.json",
                    help="a preset (llama2-7b, llama3-8b, gpt3-175b, megatron-1t, ...) or a JSON model block "
                         "(the recipe's model fields) or a recipe with one")
-    p.add_argument("--gpus", required=True, type=positive_int, metavar="N", help="accelerators in all")
+    p.add_argument("--gpus", required=True, type=positive_int, metavar="N",
+                   help="accelerators in all: up to one node, or whole nodes (a multiple of --gpus-per-node)")
     p.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="G",
                    help="accelerators per node (default 8); tensor groups stay inside a node")
     p.add_argument("--gpu-memory", required=True, type=size, metavar="SIZE", help="memory of one accelerator: 80GB, 80GiB or 80")
@@ -38,7 +45,8 @@ def register(subparsers) -> None:
                    help="sequences per optimizer step (default: about 4M tokens, a multiple of --gpus)")
     p.add_argument("--seq-len", type=positive_int, metavar="S", help="sequence length (default: the model's)")
     p.add_argument("--top", type=positive_int, default=5, metavar="K", help="how many layouts to show (default 5)")
-    p.add_argument("--write", metavar="RECIPE.json", help="write the best layout as a recipe to this file")
+    p.add_argument("--write", metavar="RECIPE.json",
+                   help="write the best layout as a recipe to this file (ranking the model the recipe describes)")
     p.add_argument("--json", action="store_true", help="print JSON for machines instead of tables")
     p.set_defaults(run=run)
 
@@ -47,7 +55,6 @@ def run(args) -> int:
     from ..planner import plan
     from ..presets import resolve_model
 
-    gpu_memory = args.gpu_memory
     try:
         spec = resolve_model(args.model)
     except RecipeError as e:
@@ -56,8 +63,12 @@ def run(args) -> int:
         return 2 if file_problem else 1
     if args.seq_len:
         spec = spec.with_seq_len(args.seq_len)
-    result = plan(spec, args.gpus, gpu_memory, gpus_per_node=args.gpus_per_node,
-                  global_batch=args.global_batch, top=args.top)
+    try:
+        result = plan(spec, args.gpus, args.gpu_memory, gpus_per_node=args.gpus_per_node,
+                      global_batch=args.global_batch, top=args.top, as_recipe=bool(args.write))
+    except ValueError as e:
+        print(f"plan: {e}", file=sys.stderr)
+        return 1
     written = None
     if args.write and result.plans:
         written, code = _write(result, Path(args.write))
@@ -77,34 +88,35 @@ def run(args) -> int:
 
 
 def _write(result, path: Path):
-    """Write the winner as a recipe, after checking that it validates; (path, exit code)."""
-    from ..planner import to_recipe_data
+    """Write the winner as a recipe after checking that it validates, passes the cross-field checks and that
+    ``estimate`` of it agrees with the plan and fits; (path, exit code)."""
+    from ..checks import check_recipe
+    from ..plan_recipe import to_recipe_data, written_recipe_problems
     from ..recipe import recipe_from_data
 
     data = to_recipe_data(result.plans[0], result, name=path.stem)
-    recipe, problems = recipe_from_data(data, str(path))
+    text = json.dumps(data, indent=2) + "\n"
+    recipe, problems = recipe_from_data(json.loads(text), str(path))  # exactly what the file will hold
     errors = [p for p in problems if p.is_error]
     if recipe is not None and not errors:
-        errors = _cross_field_errors(recipe)
+        errors = [p for p in check_recipe(recipe, recipe.layout().world_size) if p.is_error]
     if errors:  # a planner bug: say so rather than write a recipe that will not load
         print("the planned recipe does not validate (a bug in the planner; please report it):", file=sys.stderr)
         print_problems(errors)
         return None, 2
+    disagreements = written_recipe_problems(recipe, result.plans[0], result)
+    if disagreements:  # also a planner bug: the recipe would not be what was ranked
+        print(f"not writing {path}: `estimate` of the planned recipe disagrees with the plan (a bug in the "
+              "planner; please report it):", file=sys.stderr)
+        for line in disagreements:
+            print(f"  {line}", file=sys.stderr)
+        return None, 2
     try:
-        path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        path.write_text(text, encoding="utf-8")
     except OSError as e:
         print(f"--write: cannot write {path}: {e}", file=sys.stderr)
         return None, 1
     return path, 0
-
-
-def _cross_field_errors(recipe) -> list:
-    """plugin.checks' cross-field rules, when that module exists in this build."""
-    try:
-        from ..checks import check_recipe
-    except ImportError:
-        return []
-    return [p for p in check_recipe(recipe, recipe.layout().world_size) if p.is_error]
 
 
 def _print(result, written) -> None:
@@ -114,6 +126,8 @@ def _print(result, written) -> None:
     print(f"searched {result.considered} layouts, {result.fitting} fit")
     for note in result.notes:
         print(f"note: {note}")
+    for line in result.assumptions:
+        print(f"assumes: {line}")
     if not result.plans:
         print(result.advice)
         return
@@ -131,16 +145,5 @@ def _print(result, written) -> None:
     for p in result.plans:
         print(f"{p.rank}. {p.setup.label()}: {p.reason}")
     if written:
-        print(f"wrote the best layout to {written} (it validates); check it with: python -m plugin estimate {written}")
-        spec = result.spec
-        if not _is_reference_gpt(spec):
-            tying = "tied" if spec.tied_embeddings else "untied"
-            print(f"note: a recipe's model block has no field for {spec.name}'s architecture ({spec.mlp} MLP, "
-                  f"{spec.norm}, {tying} embeddings, {spec.positions} positions); `estimate` of the written "
-                  f"recipe assumes the reference GPT (GELU, LayerNorm, tied, learned positions) and so counts "
-                  f"somewhat differently")
-
-
-def _is_reference_gpt(spec) -> bool:
-    return (spec.mlp, spec.norm, spec.bias, spec.positions, spec.tied_embeddings) == \
-        ("gelu", "layernorm", True, "learned", True)
+        print(f"wrote the best layout to {written}; `python -m plugin estimate {written}` gives the same "
+              f"memory and step time (checked)")

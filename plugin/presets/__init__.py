@@ -1,8 +1,8 @@
 """Model presets (``models.json`` beside this file, shipped in the wheel) and ``--model`` resolution.
 
 ``--model`` takes a preset name (``llama2-7b``; case, ``-`` and ``_`` do not matter) or a JSON
-file: a recipe ``model`` block (optionally with the architecture keys of :class:`plugin.dims.ModelSpec`),
-or a whole recipe, whose ``model`` block is used. Pure.
+file: a recipe ``model`` block (optionally with the architecture keys of :class:`plugin.dims.ModelSpec`;
+those left out are the reference GPT's), or a whole recipe, whose ``model`` block is used. Pure.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def resolve_model(ref: Union[str, Path]) -> ModelSpec:
     from ..recipe import parse_json
 
     data, problems = parse_json(path.read_text(encoding="utf-8"), str(path))
-    if data is None:
+    if any(p.is_error for p in problems):  # not JSON (or not standard JSON)
         raise RecipeError(problems)
     where = "$"
     if isinstance(data, dict) and "model" in data and isinstance(data["model"], dict):

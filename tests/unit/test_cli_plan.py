@@ -54,6 +54,43 @@ def test_plan_json_and_write(tmp_path):
     assert json.loads(again.stdout)["fits"] is True
 
 
+def test_plan_write_then_estimate_agree_for_a_tied_preset(tmp_path):
+    """The reviewer's case: gpt3-1.3b (tied embeddings in the paper) on 16 x 40 GB. The recipe's model is
+    the untied reference GPT; plan now ranks that, so `estimate` of the file says the same and fits."""
+    out = tmp_path / "x.json"
+    r = cli("plan", "--model", "gpt3-1.3b", "--gpus", "16", "--gpu-memory", "40GB", "--top", "1", "--json",
+            "--write", str(out))
+    assert r.returncode == 0, r.stderr
+    planned = json.loads(r.stdout)
+    assert planned["model"]["tied_embeddings"] is False and planned["requested_model"]["tied_embeddings"] is True
+    est = cli("estimate", str(out), "--json")
+    assert est.returncode == 0, est.stdout + est.stderr
+    estimated = json.loads(est.stdout)
+    assert estimated["fits"] is True
+    assert estimated["memory"]["total"] == pytest.approx(planned["plans"][0]["memory"]["total"], rel=1e-12)
+    assert estimated["time"]["total"] == pytest.approx(planned["plans"][0]["time"]["total"], rel=1e-12)
+    text = cli("plan", "--model", "gpt3-1.3b", "--gpus", "16", "--gpu-memory", "40GB", "--top", "1",
+               "--write", str(tmp_path / "y.json"))
+    assert "an untied output layer instead of tied embeddings" in text.stdout
+    assert "gives the same memory and step time (checked)" in text.stdout
+
+
+def test_plan_refuses_gpus_that_do_not_fill_whole_nodes():
+    r = cli("plan", "--model", "llama2-7b", "--gpus", "12", "--gpus-per-node", "8", "--gpu-memory", "80GB")
+    assert r.returncode == 1
+    assert "does not fill whole nodes" in r.stderr and "--gpus 8 or 16" in r.stderr
+    r = cli("plan", "--model", "llama2-7b", "--gpus", "12", "--gpus-per-node", "4", "--gpu-memory", "80GB")
+    assert r.returncode == 0, r.stderr
+
+
+def test_plan_says_what_it_does_not_search():
+    r = cli("plan", "--help")
+    assert "selective recompute has no field in a v1 recipe, so it is not searched" in " ".join(r.stdout.split())
+    r = cli("plan", "--model", "llama2-7b", "--gpus", "8", "--gpu-memory", "80GB", "--top", "1")
+    assert "assumes: recompute searched: none and full; selective recompute is not searched" in r.stdout
+    assert "assumes: data-parallel traffic timed as DeepSpeed runs it" in r.stdout
+
+
 def test_plan_for_a_model_file(tmp_path):
     block = tmp_path / "m.json"
     block.write_text(json.dumps({"layers": 8, "hidden": 1024, "heads": 16, "vocab": 32000, "seq_len": 1024}))
