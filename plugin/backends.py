@@ -5,9 +5,11 @@ installed (no torch import; :func:`plugin.engine.choose_backend` feeds in the li
   schedule DeepSpeed runs, i.e. 1F1B), and the job was not started by ``accelerate launch``.
 * ``"accelerate"``: started by ``accelerate launch`` (launcher auto/accelerate) and the recipe needs nothing
   Accelerate cannot carry (:func:`accelerate_mode`): ``Accelerator`` itself trains, with DDP, its
-  DeepSpeed plugin or its FSDP2 plugin.
+  DeepSpeed plugin (which imports transformers: only where deepspeed and transformers are both installed)
+  or its FSDP2 plugin.
 * ``"native"``: everything else: DeepSpeed missing, launcher torchrun/accelerate, tensor or pipeline
-  parallelism under ``accelerate launch``, or what Accelerate cannot do on this device.
+  parallelism under ``accelerate launch``, or what Accelerate cannot do on this device or with what is
+  installed (ZeRO >= 1 without transformers: as without deepspeed).
 
 ``accelerate launch`` is recognised by ``ACCELERATE_MIXED_PRECISION``, which its simple, multi-GPU/CPU and
 DeepSpeed launchers all export to every process they start (accelerate 1.x, ``utils/launch.py``);
@@ -26,9 +28,12 @@ def launched_by_accelerate(environ: Mapping[str, str]) -> bool:
     return ACCELERATE_MARK in environ
 
 
-def accelerate_mode(recipe, *, cuda: bool, has_deepspeed: bool) -> tuple[Optional[str], str]:
+def accelerate_mode(recipe, *, cuda: bool, has_deepspeed: bool, has_transformers: bool) -> tuple[Optional[str], str]:
     """(``"ddp"`` | ``"deepspeed"`` | ``"fsdp"`` | None, why): how ``Accelerator`` carries the recipe, or None
-    with the reason the native back end must (under the same ``accelerate launch``)."""
+    with the reason the native back end must (under the same ``accelerate launch``).
+
+    Accelerate's DeepSpeed plugin imports transformers (``HfDeepSpeedConfig``, accelerate 1.x), so without
+    transformers ZeRO >= 1 is decided as if deepspeed were missing, and the reason says so."""
     if recipe.parallelism.tensor > 1 or recipe.parallelism.pipeline > 1:
         return None, ("tensor/pipeline parallelism: Accelerate takes no custom process groups, so the plugin's "
                       "native back end builds them")
@@ -37,24 +42,29 @@ def accelerate_mode(recipe, *, cuda: bool, has_deepspeed: bool) -> tuple[Optiona
     z = recipe.zero
     if z.stage == 0:
         return "ddp", "ZeRO-0: Accelerate's DistributedDataParallel"
-    if has_deepspeed:
+    if has_deepspeed and has_transformers:
         return "deepspeed", f"ZeRO-{z.stage}: Accelerate's DeepSpeed plugin with the recipe's ds_config"
+    missing = ("deepspeed is not installed" if not has_deepspeed else
+               "transformers is not installed, and Accelerate's DeepSpeed plugin imports it")
     if z.stage >= 2 and cuda and "nvme" not in (z.offload_param, z.offload_optimizer):
-        return "fsdp", f"ZeRO-{z.stage}: Accelerate's FSDP2 plugin (deepspeed is not installed)"
+        return "fsdp", f"ZeRO-{z.stage}: Accelerate's FSDP2 plugin ({missing})"
     if z.stage == 1:
-        return None, "ZeRO-1 without deepspeed: Accelerate has no optimizer-state sharding; ZeroRedundancyOptimizer"
-    return None, f"ZeRO-{z.stage} on CPU without deepspeed: Accelerate's FSDP needs an accelerator; FSDP2 directly"
+        return None, f"ZeRO-1 ({missing}): Accelerate alone has no optimizer-state sharding; ZeroRedundancyOptimizer"
+    return None, f"ZeRO-{z.stage} on CPU ({missing}): Accelerate's FSDP needs an accelerator; FSDP2 directly"
 
 
-def choose(recipe, *, environ: Mapping[str, str], has_deepspeed: bool, cuda: bool) -> str:
-    """The back end for ``recipe`` (see the module docstring)."""
+def choose(recipe, *, environ: Mapping[str, str], has_deepspeed: bool, cuda: bool,
+           has_transformers: bool = True) -> str:
+    """The back end for ``recipe`` (see the module docstring). ``has_deepspeed`` / ``has_transformers``: whether
+    each is importable (the caller looks; this module imports neither). ``has_transformers`` matters only under
+    ``accelerate launch`` at ZeRO >= 1 with deepspeed installed; left out, it is taken as installed."""
     if recipe.launcher == "deepspeed":
         if not has_deepspeed:
             raise PluginError('the recipe says "launcher": "deepspeed" but deepspeed is not installed -> '
                               'pip install deepspeed (with torch pinned), or set "launcher": "auto"')
         return "deepspeed"
     if launched_by_accelerate(environ) and recipe.launcher in ("auto", "accelerate"):
-        mode, _ = accelerate_mode(recipe, cuda=cuda, has_deepspeed=has_deepspeed)
+        mode, _ = accelerate_mode(recipe, cuda=cuda, has_deepspeed=has_deepspeed, has_transformers=has_transformers)
         return "accelerate" if mode else "native"
     if recipe.launcher in ("accelerate", "torchrun"):
         return "native"

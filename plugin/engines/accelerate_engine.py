@@ -8,11 +8,12 @@ The Accelerator is fed from the recipe, not from the launch flags:
 * ``"ddp"`` (ZeRO-0): Accelerate's DistributedDataParallel (MULTI_CPU on gloo, MULTI_GPU on NCCL); clipping
   through ``accelerator.clip_grad_norm_`` (torch's formula, the same as DeepSpeed's); fp16 on CUDA with a
   ``GradScalerKwargs`` from the recipe's fp16 block.
-* ``"deepspeed"`` (ZeRO >= 1, deepspeed installed): a ``DeepSpeedPlugin`` whose config is the recipe's export
+* ``"deepspeed"`` (ZeRO >= 1, deepspeed and transformers installed: the plugin imports transformers'
+  ``HfDeepSpeedConfig``): a ``DeepSpeedPlugin`` whose config is the recipe's export
   (:func:`plugin.engines.deepspeed.engine_config`) with the recipe's torch optimizer. On CPU this needs
   ``InitProcessGroupKwargs(backend="gloo")`` and ``cpu=False`` with ``ACCELERATE_USE_CPU`` cleared in this
   process (Accelerate otherwise drops the plugin and runs plain DDP, silently).
-* ``"fsdp"`` (ZeRO-2/3 on CUDA without deepspeed): ``FullyShardedDataParallelPlugin(fsdp_version=2)``,
+* ``"fsdp"`` (ZeRO-2/3 on CUDA without deepspeed or transformers): ``FullyShardedDataParallelPlugin(fsdp_version=2)``,
   ``reshard_after_forward`` for ZeRO-3, CPU offload from the recipe, each transformer layer class wrapped.
 
 After the Accelerator exists, its distributed type and process count are asserted against the launch
@@ -32,6 +33,11 @@ from ..optim import build_optimizer
 from .base import Engine
 
 _MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+
+
+def importable(name: str) -> bool:
+    """Whether ``import name`` can find the package (what :func:`plugin.backends.accelerate_mode` is told)."""
+    return importlib.util.find_spec(name) is not None
 
 
 class _Progress:
@@ -173,9 +179,11 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     from ..topology import Topology
 
     cuda = device.type == "cuda"
-    mode, why = accelerate_mode(recipe, cuda=cuda, has_deepspeed=importlib.util.find_spec("deepspeed") is not None)
+    mode, why = accelerate_mode(recipe, cuda=cuda, has_deepspeed=importable("deepspeed"),
+                                has_transformers=importable("transformers"))
     if mode is None:
-        raise PluginError(f"Accelerate cannot carry this recipe ({why}) -> let initialize choose the back end")
+        fix = "pip install transformers, or " if "transformers is not installed" in why else ""
+        raise PluginError(f"Accelerate cannot carry this recipe: {why} -> {fix}let initialize choose the back end")
     acc = Accelerator(mixed_precision=_MIXED[recipe.precision], gradient_accumulation_steps=layout.grad_accum,
                       **_plugins(mode, recipe, env.world_size, cuda, model, layers_of))
     _check_accelerator(acc, mode, env.world_size)

@@ -26,7 +26,9 @@ over data ranks, the same float on every rank.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+import os
+import sys
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -141,12 +143,29 @@ def native_optimizer(module, recipe, groups, zero1: bool):
                                    parameters_as_bucket_view=True, **kwargs)  # one broadcast per rank, not per tensor
 
 
+def why_not_accelerate(recipe, environ: Mapping[str, str], cuda: bool) -> Optional[str]:
+    """Under ``accelerate launch``, the note that says why the native back end trains rather than Accelerate
+    itself (:func:`plugin.backends.accelerate_mode`'s reason); None elsewhere, or when the recipe's
+    ``launcher`` field chose native."""
+    from ..backends import accelerate_mode, launched_by_accelerate
+    from .accelerate_engine import importable
+
+    if not launched_by_accelerate(environ) or recipe.launcher not in ("auto", "accelerate"):
+        return None
+    mode, why = accelerate_mode(recipe, cuda=cuda, has_deepspeed=importable("deepspeed"),
+                                has_transformers=importable("transformers"))
+    return None if mode else f"{recipe.source or recipe.name}: note: accelerate launch: the native back end trains ({why})"
+
+
 def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callable, apply_tp: Callable,
           loss_for: Callable) -> NativeEngine:
     """Shard ``model`` per ``recipe`` on torch's own machinery (the signature of every back end's build)."""
     from ..groups import build_groups
     from ..topology import Topology
 
+    note = why_not_accelerate(recipe, os.environ, device.type == "cuda") if env.is_main else None
+    if note:
+        print(note, file=sys.stderr, flush=True)
     init_process_group(device)
     topology = Topology(layout.pipeline, layout.data, layout.tensor)
     groups = build_groups(topology)

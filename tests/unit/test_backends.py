@@ -40,13 +40,50 @@ def test_under_accelerate_launch():
 
 
 def test_what_accelerate_carries():
-    assert accelerate_mode(recipe(zero={"stage": 0}), cuda=False, has_deepspeed=False)[0] == "ddp"
-    assert accelerate_mode(recipe(zero={"stage": 2}), cuda=True, has_deepspeed=False)[0] == "fsdp"
-    assert accelerate_mode(recipe(zero={"stage": 2}), cuda=True, has_deepspeed=True)[0] == "deepspeed"
-    mode, why = accelerate_mode(recipe(zero={"stage": 0}, precision="fp16"), cuda=False, has_deepspeed=True)
+    def mode_of(r, cuda, has_ds, has_tf=True):
+        return accelerate_mode(r, cuda=cuda, has_deepspeed=has_ds, has_transformers=has_tf)
+
+    assert mode_of(recipe(zero={"stage": 0}), False, False)[0] == "ddp"
+    assert mode_of(recipe(zero={"stage": 2}), True, False)[0] == "fsdp"
+    assert mode_of(recipe(zero={"stage": 2}), True, True)[0] == "deepspeed"
+    mode, why = mode_of(recipe(zero={"stage": 0}, precision="fp16"), False, True)
     assert mode is None and "silently" in why
-    mode, why = accelerate_mode(recipe(zero={"stage": 1}), cuda=True, has_deepspeed=False)
+    mode, why = mode_of(recipe(zero={"stage": 1}), True, False)
     assert mode is None and "ZeroRedundancyOptimizer" in why
+
+
+@pytest.mark.parametrize("stage, cuda, want", [(1, False, None), (1, True, None), (2, False, None),
+                                               (3, False, None), (2, True, "fsdp"), (3, True, "fsdp")])
+def test_deepspeed_plugin_is_not_chosen_without_transformers(stage, cuda, want):
+    """Accelerate's DeepSpeedPlugin imports transformers: without it, ZeRO >= 1 goes as without deepspeed."""
+    mode, why = accelerate_mode(recipe(zero={"stage": stage}), cuda=cuda, has_deepspeed=True, has_transformers=False)
+    assert mode == want, why
+    assert "transformers is not installed, and Accelerate's DeepSpeed plugin imports it" in why
+    assert accelerate_mode(recipe(zero={"stage": 0}), cuda=cuda, has_deepspeed=True,
+                           has_transformers=False)[0] == "ddp", "ZeRO-0 is Accelerate's DDP: no transformers needed"
+
+
+def test_accelerate_launch_without_transformers_trains_native():
+    """The README's `pip install '.[deepspeed,accelerate]'` has no transformers: cpu_dp4 under accelerate launch."""
+    for stage in (1, 2, 3):
+        r = recipe(zero={"stage": stage})
+        assert choose(r, environ=ACCELERATE, has_deepspeed=True, has_transformers=False, cuda=False) == "native"
+        assert choose(r, environ=ACCELERATE, has_deepspeed=True, has_transformers=True, cuda=False) == "accelerate"
+        assert choose(r, environ={}, has_deepspeed=True, has_transformers=False, cuda=False) == "deepspeed", \
+            "the plugin's own DeepSpeed engine needs no transformers"
+
+
+def test_the_native_back_end_says_why_under_accelerate_launch(monkeypatch):
+    from plugin.engines import accelerate_engine
+    from plugin.engines.native import why_not_accelerate
+
+    monkeypatch.setattr(accelerate_engine, "importable", lambda name: name == "deepspeed")  # no transformers
+    note = why_not_accelerate(recipe(), ACCELERATE, cuda=False)
+    assert note and "note: accelerate launch: the native back end trains" in note
+    assert "transformers is not installed" in note
+    assert why_not_accelerate(recipe(), {}, cuda=False) is None, "not under accelerate launch"
+    assert why_not_accelerate(recipe(zero={"stage": 0}), ACCELERATE, cuda=False) is None, "Accelerate carries it"
+    assert why_not_accelerate(recipe(launcher="torchrun"), ACCELERATE, cuda=False) is None, "the recipe chose"
 
 
 def test_launcher_deepspeed_without_deepspeed_says_what_to_do():

@@ -35,3 +35,18 @@ def test_accelerate_traps_are_caught():
     # Accelerate dropped the DeepSpeed plugin (ACCELERATE_USE_CPU forces plain DDP)
     with pytest.raises(PluginError, match="DEEPSPEED"):
         _check_accelerator(SimpleNamespace(num_processes=4, distributed_type=DistributedType.MULTI_CPU), "deepspeed", 4)
+
+
+def test_accelerate_engine_without_transformers_explains_instead_of_crashing(monkeypatch):
+    """backend="accelerate" forced at ZeRO-1 with deepspeed but no transformers: Accelerate's DeepSpeedPlugin would
+    die on `import transformers` inside Accelerator(); the engine refuses first and says what to install."""
+    pytest.importorskip("accelerate")
+    from plugin.engines import accelerate_engine
+
+    monkeypatch.setattr(accelerate_engine, "importable", lambda name: name != "transformers")
+    r = load_recipe("cpu_dp4")
+    env = SimpleNamespace(world_size=4, rank=0, is_main=True)
+    with pytest.raises(PluginError, match="transformers is not installed.*-> pip install transformers"):
+        accelerate_engine.build(torch.nn.Linear(2, 2), r, r.layout(4), env, device=torch.device("cpu"),
+                                layers_of=None, apply_tp=None, loss_for=None)
+    assert not torch.distributed.is_initialized()

@@ -1,0 +1,23 @@
+"""Optional packages a test needs: skipped where missing, unless the run says the package must be there.
+
+``PLUGIN_REQUIRE=accelerate,transformers pytest ...``: a test module that needs a listed package imports it
+outright, so its absence is a collection error that fails the run, instead of a skip that passes it (a CI venv
+that lost accelerate would otherwise skip the whole native/Accelerate parity suite and stay green).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+
+def required() -> set[str]:
+    return {name.strip() for name in os.environ.get("PLUGIN_REQUIRE", "").split(",") if name.strip()}
+
+
+def need(name: str):
+    """``import name``: a skip where it is missing, an ImportError (a failed run) where PLUGIN_REQUIRE lists it."""
+    if name in required():
+        return importlib.import_module(name)
+    return pytest.importorskip(name)

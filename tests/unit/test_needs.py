@@ -1,0 +1,19 @@
+"""PLUGIN_REQUIRE turns a missing optional package from a skip (the run passes) into an error (it fails)."""
+import pytest
+
+from tests.dist.needs import need
+
+MISSING = "plugin_no_such_package_h5"
+
+
+def test_missing_package_skips_by_default(monkeypatch):
+    monkeypatch.delenv("PLUGIN_REQUIRE", raising=False)
+    with pytest.raises(pytest.skip.Exception):
+        need(MISSING)
+
+
+def test_missing_required_package_fails(monkeypatch):
+    monkeypatch.setenv("PLUGIN_REQUIRE", f"accelerate, {MISSING}")
+    with pytest.raises(ModuleNotFoundError):
+        need(MISSING)
+    assert need("json").__name__ == "json", "a present package is simply imported"
