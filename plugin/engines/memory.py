@@ -4,8 +4,12 @@ objects and counting each tensor storage once (views into DeepSpeed's flat buffe
 Parameters: the module's parameters (ZeRO-3: each parameter's own partition, ``ds_tensor``).
 Gradients: ``param.grad`` and every tensor the optimizer keeps under a name with "grad" in it.
 Optimizer states: everything else the optimizer keeps: torch's per-parameter state (Adam's moments) and
-ZeRO's fp32 master partitions. ``other`` is what fits none of these (communication buckets, say).
+ZeRO's fp32 master partitions. ``other`` is what fits none of these: in DeepSpeed 0.19.8, the gradient
+reduction bucket (``ipg_buckets[dtype].buffer``, ``reduce_bucket_size`` elements) that ZeRO-1 allocates at
+a micro-batch's first gradient and frees only at the accumulation boundary, and ZeRO-3 keeps; ZeRO-2 frees
+it at the end of every backward. Tensors on the ``meta`` device hold no memory and are not counted.
 Used by ``bench/engine.py`` and the estimate cross-check; it imports torch, so it lives with the engines.
+:func:`deepspeed_zero_partition` is pure: DeepSpeed's own partitioning of a parameter group.
 """
 from __future__ import annotations
 
@@ -62,7 +66,7 @@ def held_bytes(module: torch.nn.Module, optimizer, *, details: bool = False) -> 
 
     def add(kind: str, t: torch.Tensor, path: str) -> None:
         t = _local(t)
-        if t.numel() == 0:
+        if t.numel() == 0 or t.device.type == "meta":  # DeepSpeed keeps shape-only meta copies
             return
         storage = t.untyped_storage()
         if storage.nbytes() == 0:
@@ -86,6 +90,29 @@ def held_bytes(module: torch.nn.Module, optimizer, *, details: bool = False) -> 
     if details:
         out["largest_other"] = sorted(((n, p) for k, n, p in found.values() if k == "other"), reverse=True)[:5]
     return out
+
+
+def deepspeed_zero_partition(group_numels: list[int], dp: int, rank: int) -> tuple[int, int]:
+    """(partition elements, elements of the parameters it touches) of one data-parallel ``rank`` for one
+    parameter group, as DeepSpeed 0.19.8's ZeRO-1/2 cuts it (``deepspeed/runtime/zero/stage_1_and_2.py``).
+
+    The group's parameters, in order, are flattened and padded to a multiple of 2 x dp
+    (``nccl_start_alignment_factor`` x dp; no per-parameter padding, ``parameter_alignment`` off), and
+    cut into dp equal partitions (``get_data_parallel_partitions``). A parameter belongs to a rank's
+    partition when it starts inside it or straddles its start (``get_partition_info``). ZeRO-2 keeps the
+    *whole* gradient of each such parameter (``copy_grads_in_partition`` into ``grads_in_partition``, kept
+    through an accumulation by ``all_grad_tensors``), not just the partition's slice: the second number.
+    """
+    alignment = 2 * dp
+    padded = -(-sum(group_numels) // alignment) * alignment
+    size = padded // dp
+    start, end = rank * size, (rank + 1) * size
+    touched, offset = 0, 0
+    for n in group_numels:
+        if start <= offset < end or offset < start < offset + n:
+            touched += n
+        offset += n
+    return size, touched
 
 
 def deepspeed_state_bytes(ds_engine) -> dict[str, int]:
