@@ -12,6 +12,10 @@ total is compared with :func:`plugin.estimate.activation_bytes_per_layer` for th
   SDPA uses its flash kernel only without dropout; with dropout it falls back to the math kernel, which
   stores the attention matrix, so that row is expected to exceed the fused estimate.
 
+Then a Llama-style SwiGLU MLP in eager PyTorch, ``down(silu(gate(x)) * up(x))``, against the estimate's
+MLP terms: eager keeps silu(gate) as well (``fused_swiglu=False``, 2sbh + 8sbf), where a fused kernel
+keeps 2sbh + 6sbf (the default, ``fused_swiglu=True``).
+
 A benchmark, not plugin code: it imports torch.
 """
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from plugin.estimate import activation_bytes_per_layer  # noqa: E402
+from plugin.estimate import activation_bytes_per_layer, activation_terms_per_layer  # noqa: E402
 
 SHAPES = [(256, 2, 512, 8), (512, 1, 256, 4), (128, 4, 1024, 16), (1024, 1, 512, 8)]
 
@@ -67,6 +71,36 @@ def saved_bytes(block: nn.Module, x: torch.Tensor) -> int:
     return sum(storages.values())
 
 
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.gate, self.up = nn.Linear(hidden, ffn, bias=False), nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+MLP_TERMS = ("fc1_input", "gate_and_up_outputs", "silu_output", "fc2_input")
+
+
+def swiglu_rows() -> None:
+    print(f"\n{'s':>5} {'b':>2} {'h':>5} {'f':>5}  {'torch MB':>9} {'eager est MB':>12} {'fused est MB':>12} "
+          f"{'torch/eager':>11}")
+    for s, b, h, a in SHAPES:
+        f = 8 * h // 3 // 64 * 64  # Llama's ffn of about 8h/3
+        x = torch.randn(s, b, h, dtype=torch.bfloat16, requires_grad=True)
+        got = saved_bytes(SwiGLU(h, f).to(torch.bfloat16), x)
+
+        def mlp(fused: bool) -> float:
+            terms = activation_terms_per_layer(s, b, h, a, ffn_hidden=f, mlp="swiglu", dropout=False,
+                                               fused_swiglu=fused)
+            return sum(v for k, v in terms if k in MLP_TERMS)
+
+        print(f"{s:>5} {b:>2} {h:>5} {f:>5}  {got / 1e6:>9.2f} {mlp(False) / 1e6:>12.2f} {mlp(True) / 1e6:>12.2f} "
+              f"{got / mlp(False):>11.3f}")
+
+
 def main() -> None:
     torch.manual_seed(0)
     print(f"{'s':>5} {'b':>2} {'h':>5} {'a':>3}  {'attention':<8} {'dropout':>7}  {'torch MB':>9} "
@@ -85,6 +119,7 @@ def main() -> None:
           "\nmask in the input's dtype (2 bytes, input * noise) where CUDA's fused dropout and the paper keep"
           "\n1 byte, hence +as^2b + 2sbh for eager attention; SDPA with dropout falls back to the math kernel"
           "\non the CPU and stores the attention matrix, which a fused GPU kernel would not.")
+    swiglu_rows()
 
 
 if __name__ == "__main__":
