@@ -10,7 +10,6 @@ Pure: no torch, no deepspeed.
 from __future__ import annotations
 
 import dataclasses
-import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 from .errors import Problem, RecipeError
+from .jsontext import INVALID, parse_json  # noqa: F401  (parse_json is part of this module's API)
 
 
 def _json(key: str) -> dict:
@@ -66,7 +66,7 @@ class LossScale:
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
     hysteresis: int = 2
-    min_loss_scale: float = 1
+    min_loss_scale: int = 1
 
 
 @dataclass(frozen=True)
@@ -234,29 +234,6 @@ def find_recipe(ref: Union[str, Path]) -> Path:
     raise RecipeError([Problem("$", f"recipe file {str(ref)!r} does not exist", "check the path", file=str(ref))])
 
 
-def parse_json(text: str, file: str = "") -> tuple[Any, list[Problem]]:
-    """JSON text -> value; a syntax error or a repeated key becomes a problem naming line and column."""
-    repeated: list[str] = []
-
-    def pairs(items):
-        seen = {}
-        for k, v in items:
-            if k in seen:
-                repeated.append(k)
-            seen[k] = v
-        return seen
-
-    try:
-        value = json.loads(text, object_pairs_hook=pairs)
-    except json.JSONDecodeError as e:
-        return None, [Problem("$", f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}",
-                              "fix the JSON syntax there (a trailing comma, a missing comma or an unquoted key "
-                              "are the usual causes)", file=file)]
-    problems = [Problem("$", f"key {k!r} appears more than once (JSON keeps only the last)",
-                        "keep one of them", file=file) for k in repeated]
-    return value, problems
-
-
 def read_recipe(ref: Union[str, Path]) -> Recipe:
     """Read, parse and schema-validate a recipe; raise :class:`RecipeError` with every problem found.
 
@@ -284,7 +261,7 @@ def read_recipe_problems(ref: Union[str, Path]) -> tuple[Optional[Recipe], list[
 
 def recipe_from_text(text: str, file: str = "") -> tuple[Optional[Recipe], list[Problem]]:
     data, problems = parse_json(text, file)
-    if data is None:
+    if data is INVALID:
         return None, problems
     return recipe_from_data(data, file, problems)
 

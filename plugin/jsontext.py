@@ -1,0 +1,122 @@
+"""Recipe text -> JSON value, reporting what Python's json module lets through but JSON does not.
+
+A syntax error, a NaN / Infinity (``json.loads`` accepts both) and a number too large for a float name
+line and column; a repeated key (JSON keeps only the last) is reported at the path of the object that
+repeats it. Pure: no torch.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+from .errors import Problem
+
+
+class _Invalid:
+    """The type of :data:`INVALID`."""
+
+    def __repr__(self) -> str:
+        return "INVALID"
+
+
+# What parse_json returns for text that is not (standard) JSON; ``None`` is the valid document ``null``.
+INVALID = _Invalid()
+
+
+class _NonFinite:
+    """Stands in for a NaN / Infinity (or an overflowing number such as 1e999) while the text is parsed."""
+
+    def __init__(self, token: str):
+        self.token = token
+
+
+# Strings (skipped) and the tokens Python's json module reads but JSON does not allow.
+_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|-?Infinity|NaN|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?')
+
+
+def _nonfinite_positions(text: str) -> list[tuple[str, int, int]]:
+    """(token, line, column) of every NaN, Infinity or overflowing number outside strings, in order."""
+    out = []
+    for m in _TOKENS.finditer(text):
+        tok = m.group()
+        if tok.startswith('"'):
+            continue
+        if tok[-1] in "yN" or math.isinf(float(tok)):  # -?Infinity, NaN, or a number too big for a float
+            line = text.count("\n", 0, m.start()) + 1
+            col = m.start() - (text.rfind("\n", 0, m.start()) + 1) + 1
+            out.append((tok, line, col))
+    return out
+
+
+def _walk_json(value, path: str = "$"):
+    """(path, value) of every node, in document order."""
+    from .schema import json_path
+
+    yield path, value
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _walk_json(v, path + json_path([k])[1:])
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _walk_json(v, f"{path}[{i}]")
+
+
+def parse_json(text: str, file: str = "") -> tuple[Any, list[Problem]]:
+    """JSON text -> ``(value, problems)``; ``value`` is :data:`INVALID` when the text is not standard JSON.
+
+    A syntax error, and a NaN / Infinity (which Python's json module would accept), name line and column;
+    a repeated key is reported at the path of the object that repeats it.
+    """
+    repeated: list[tuple[dict, list[str]]] = []  # keeps each dict alive, so its id stays unique
+    nonfinite: list[_NonFinite] = []
+
+    def pairs(items):
+        seen: dict = {}
+        again = []
+        for k, v in items:
+            if k in seen and k not in again:
+                again.append(k)
+            seen[k] = v
+        if again:
+            repeated.append((seen, again))
+        return seen
+
+    def constant(token):
+        nonfinite.append(_NonFinite(token))
+        return nonfinite[-1]
+
+    def number(token):
+        value = float(token)
+        return constant(token) if math.isinf(value) else value
+
+    try:
+        value = json.loads(text, object_pairs_hook=pairs, parse_constant=constant, parse_float=number)
+    except json.JSONDecodeError as e:
+        return INVALID, [Problem("$", f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}",
+                                 "fix the JSON syntax there (a trailing comma, a missing comma or an unquoted key "
+                                 "are the usual causes)", file=file)]
+    except RecursionError:
+        return INVALID, [Problem("$", "the JSON nests too deeply to read", "flatten it", file=file)]
+    paths = {}
+    if repeated or nonfinite:
+        paths = {id(v): p for p, v in _walk_json(value)}
+    problems = []
+    if nonfinite:
+        where = _nonfinite_positions(text)
+        for i, node in enumerate(nonfinite):
+            tok, line, col = where[i] if i < len(where) else (node.token, 0, 0)
+            at = f"line {line}, column {col}" if line else "somewhere in the file"
+            why = "JSON has no NaN or Infinity" if tok[-1] in "yN" else "it is too large for a float"
+            problems.append(Problem(paths.get(id(node), "$"), f"invalid JSON at {at}: {tok} is not a finite "
+                                    f"number ({why})", "write a finite number", file=file))
+        return INVALID, problems
+    for obj, keys in repeated:
+        where = paths.get(id(obj), "$")
+        for k in keys:
+            last = json.dumps(obj[k])
+            last = last if len(last) <= 40 else last[:37] + "..."
+            problems.append(Problem(where, f"key {json.dumps(k)} appears more than once in this object (JSON "
+                                    f"keeps only the last, {last})", "keep one of them", file=file))
+    return value, problems
