@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import math
 from typing import Any, Iterable
 
 from .errors import Problem
@@ -27,9 +28,13 @@ def _validator():
     from referencing import Registry
 
     schema = load_schema()
-    cls = jsonschema.Draft202012Validator
+    base = jsonschema.Draft202012Validator
+    # JSON Schema counts 2.0 as an integer; the recipe does not (2.0 would reach range() and the exported
+    # ds_config as a float), so "integer" means a JSON number written without a fraction or exponent.
+    types = base.TYPE_CHECKER.redefine("integer", lambda _, v: isinstance(v, int) and not isinstance(v, bool))
+    cls = jsonschema.validators.extend(base, type_checker=types)
     # An empty registry that retrieves nothing: references resolve inside this schema file only.
-    return cls(schema, registry=Registry(), format_checker=cls.FORMAT_CHECKER)
+    return cls(schema, registry=Registry(), format_checker=base.FORMAT_CHECKER)
 
 
 def json_path(parts: Iterable[Any]) -> str:
@@ -49,6 +54,13 @@ def _did_you_mean(word: str, choices: Iterable[str]) -> str:
     if not close:
         close = [c for c in choices if str(c).lower() == str(word).lower()]
     return f"did you mean {json.dumps(close[0])}?" if close else ""
+
+
+# Words for the schema's string patterns.
+_FORMS = {
+    "^[A-Za-z0-9_.-]+$": 'letters, digits, "_", "." and "-" only',
+    "^(parameters|uniform|type:.+)$": '"parameters", "uniform" or "type:REGEX" (a regex over layer class names)',
+}
 
 
 def _describe(schema: dict) -> str:
@@ -72,10 +84,30 @@ def _describe(schema: dict) -> str:
     return words + (" " + " and ".join(bounds) if bounds else "")
 
 
+def json_type(value) -> str:
+    """JSON's name for the type of a parsed value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return {dict: "an object", list: "an array", str: "a string"}.get(type(value), "a number")
+
+
+def _integral_float(inst, schema: dict) -> bool:
+    """``inst`` is a float like 2.0 where the (sub)schema, or one of its alternatives, wants an integer."""
+    if not (isinstance(inst, float) and inst.is_integer()):
+        return False
+    alternatives = schema.get("anyOf", []) + schema.get("oneOf", []) + [schema]
+    return any(alt.get("type") == "integer" for alt in alternatives)
+
+
 def _problem(error) -> list[Problem]:
     path = json_path(error.absolute_path)
     v, schema, inst = error.validator, error.schema, error.instance
     shown = json.dumps(inst) if not isinstance(inst, (dict, list)) else type(inst).__name__
+    if v in ("type", "anyOf", "oneOf") and _integral_float(inst, schema):
+        return [Problem(path, f"{shown} is a float, and this field takes a whole number",
+                        f"write {int(inst)}, not {shown}")]
     if v == "additionalProperties":
         allowed = list(schema.get("properties", {}))
         out = []
@@ -111,23 +143,47 @@ def _problem(error) -> list[Problem]:
         return [Problem(path, "is empty", f"give at least {error.validator_value} key(s): "
                         + ", ".join(schema.get("properties", {})) if schema.get("properties") else "add an entry")]
     if v in ("minItems", "maxItems"):
-        return [Problem(path, f"has {len(inst)} items", f"give exactly {schema.get('minItems')} numbers"
-                        if schema.get("minItems") == schema.get("maxItems") else error.message)]
+        n = len(inst)
+        exact = schema.get("minItems") == schema.get("maxItems")
+        want = f"exactly {schema.get('minItems')}" if exact else \
+            (f"at least {schema['minItems']}" if v == "minItems" else f"at most {schema['maxItems']}")
+        example = schema.get("examples", [None])[0]
+        return [Problem(path, f"{json.dumps(inst)} has {n} item{'s' if n != 1 else ''}",
+                        f"give {want}" + (f", e.g. {json.dumps(example)}" if example is not None else ""))]
     if v == "pattern":
+        examples = [e for e in schema.get("examples", []) if isinstance(e, str)]
+        close = _did_you_mean(inst, examples) if isinstance(inst, str) else ""
+        form = _FORMS.get(error.validator_value, f"a string matching {error.validator_value}")
         return [Problem(path, f"{shown} does not have the expected form",
-                        (schema.get("description") or f"match {error.validator_value}"))]
+                        (close + " " if close else "") + f"write {form}")]
     if v == "minLength":
-        return [Problem(path, "is empty", "give a non-empty string")]
+        if "propertyNames" in error.schema_path:  # an empty key of a map (jsonschema gives the map's path)
+            return [Problem(path, 'has an empty key ""', f"name {schema.get('description', 'something')} there")]
+        what = (schema.get("description") or "").rstrip(".")
+        return [Problem(path, f"{shown} is empty", "give a non-empty string" + (f": {what}" if what else ""))]
     return [Problem(path, error.message, schema.get("description", "see schemas/recipe.schema.json"))]
+
+
+def _nonfinite(value, path: str = "$") -> Iterable[Problem]:
+    """NaN and infinities anywhere (a dict built in Python; recipe text with them never parses)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        yield Problem(path, f"{value} is not a finite number (JSON has no NaN or Infinity)", "write a finite number")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _nonfinite(v, path + json_path([k])[1:])
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _nonfinite(v, f"{path}[{i}]")
 
 
 def schema_problems(data: Any) -> list[Problem]:
     """Every schema violation in ``data`` as problems, in document order."""
     if not isinstance(data, dict):
-        return [Problem("$", f"a recipe is a JSON object, not {type(data).__name__}",
-                        'start from a shipped recipe: python -m plugin show cpu_single')]
+        return [Problem("$", f"the top level must be a JSON object (a recipe), not {json_type(data)}",
+                        'write an object such as {"name": "mine", "batch": {"micro": 4}}, or copy a shipped '
+                        "recipe (recipes/cpu_single.json)")]
     errors = sorted(_validator().iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path])
-    out: list[Problem] = []
+    out: list[Problem] = list(_nonfinite(data))
     for e in errors:
         for p in _problem(e):
             if p not in out:

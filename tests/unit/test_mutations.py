@@ -15,6 +15,7 @@ BASES = [json.loads(p.read_text()) for p in shipped_recipes()]
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-5, 70000) | st.floats(allow_nan=False, allow_infinity=False, width=32)
+    | st.integers(-5, 70000).map(float)  # integral floats: JSON Schema counts 2.0 as an integer
     | st.sampled_from(["auto", "none", "cpu", "nvme", "1f1b", "gpipe", "interleaved_1f1b", "uniform", "type:Block",
                        "type:(", "column", "row", "vocab", "bf16", "fp16", "adam", "sgd", "deepspeed", ""])
     | st.text(max_size=6),
@@ -30,17 +31,25 @@ def _paths(node, prefix=()):
             yield from _paths(v, prefix + (k,))
 
 
+def _at(data, path):
+    for k in path:
+        data = data[k]
+    return data
+
+
 @st.composite
 def mutated(draw):
     data = copy.deepcopy(draw(st.sampled_from(BASES)))
     for _ in range(draw(st.integers(1, 4))):
+        action = draw(st.sampled_from(["set", "delete", "add", "float"]))
         paths = [p for p in _paths(data) if p]
+        if action == "float":  # the same whole number written as 2.0: valid JSON, and JSON Schema calls it an integer
+            paths = [p for p in paths if type(_at(data, p)) is int] or paths
         path = draw(st.sampled_from(paths))
-        parent = data
-        for k in path[:-1]:
-            parent = parent[k]
-        action = draw(st.sampled_from(["set", "delete", "add"]))
-        if action == "delete":
+        parent = _at(data, path[:-1])
+        if action == "float" and type(parent[path[-1]]) is int:
+            parent[path[-1]] = float(parent[path[-1]])
+        elif action == "delete":
             parent.pop(path[-1], None)
         elif action == "add":
             parent[draw(st.text(min_size=1, max_size=8))] = draw(json_values)

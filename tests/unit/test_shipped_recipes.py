@@ -89,3 +89,16 @@ def test_round_trip_through_dict():
         r = validate(path, 8 if path.stem == "tp2_auto" else None)[0]
         again = Recipe.from_dict(r.to_dict())
         assert again == r
+
+
+def test_every_optional_field_has_a_default_or_says_why_not():
+    def walk(node, where):
+        for key, sub in node.get("properties", {}).items():
+            if key not in node.get("required", []) and "default" not in sub:
+                assert "No \"default" in sub.get("$comment", ""), f"{where}.{key}: no default and no reason given"
+            walk(sub, f"{where}.{key}")
+
+    walk(load_schema(), "$")
+    model = load_schema()["properties"]["model"]["properties"]
+    assert "Absent: equal to heads" in model["kv_heads"]["description"]
+    assert "Absent: 4 x hidden" in model["ffn_hidden"]["description"]
