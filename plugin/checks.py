@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Union
 
 from .errors import WARNING, Problem, RecipeError
-from .layout import Layout, resolve_layout
+from .layout import Layout, batch_problems_for_any_data, known_grad_accum, resolve_layout
 from .recipe import Recipe, read_recipe_problems
 
 Problems = Iterator[Problem]
@@ -36,32 +36,36 @@ def check_zero(recipe: Recipe, layout: Optional[Layout]) -> Problems:
 
 
 def check_batch_and_world(recipe: Recipe, layout: Optional[Layout]) -> Problems:
-    """Problems from resolving the sizes are reported by :func:`check_recipe`; these need a layout."""
-    if layout is None:
+    """The pipeline's micro-batch rules. Problems from resolving the sizes are :func:`check_recipe`'s.
+
+    They need the micro-batches per step, not the data size: without a layout (``"auto"`` before the world
+    size is known, a world that does not fit, a bad triple) they run whenever the batch block fixes that count.
+    """
+    pp = recipe.parallelism.pipeline
+    m = layout.micro_batches if layout is not None else known_grad_accum(recipe.batch)
+    if pp == 1 or m is None:
         return
-    pp = layout.pipeline
-    if pp > 1 and layout.micro_batches < pp:
-        good = layout.micro_batch * pp * layout.data
-        yield Problem("$.batch", f"{layout.micro_batches} micro-batch(es) per step for {pp} pipeline stages: "
+    if m < pp:
+        at = (f" (global {layout.micro_batch * pp * layout.data} at micro {layout.micro_batch})"
+              if layout is not None else "")
+        yield Problem("$.batch", f"{m} micro-batch{'es' if m != 1 else ''} per step for {pp} pipeline stages: "
                       "some stages would idle the whole step",
-                      f'give at least {pp} micro-batches: "grad_accum": {pp} (global {good} at micro '
-                      f"{layout.micro_batch})")
-    if pp > 1 and recipe.pipeline_parallel.schedule == "interleaved_1f1b" and layout.micro_batches >= pp:
-        m = layout.micro_batches
+                      f'give at least {pp} micro-batches: "grad_accum": {pp}{at}')
+        return
+    if recipe.pipeline_parallel.schedule == "interleaved_1f1b":
         rounds = max(1, m // pp)
         if m % rounds:
             good = sorted({pp * (m // pp), pp * (m // pp + 1)})
             yield Problem("$.batch.grad_accum", f"interleaved 1F1B (torch.distributed.pipelining) runs micro-batches "
                           f"in rounds of pipeline {pp}: {m} micro-batches make {rounds} rounds of unequal size",
                           f"use a multiple of {pp} micro-batches per step ({' or '.join(map(str, good))})")
-    if pp > 1:
-        v = recipe.pipeline_parallel.virtual_stages
-        bubble = (pp - 1) / (v * layout.micro_batches)
-        if bubble > 0.25 and layout.micro_batches >= pp:
-            m_needed = math.ceil(4 * (pp - 1) / v)
-            yield Problem("$.batch.grad_accum", f"pipeline bubble (p-1)/(v*m) = ({pp}-1)/({v}*"
-                          f"{layout.micro_batches}) = {bubble:.2f}: stages idle {bubble:.0%} of the step",
-                          f"use >= {m_needed} micro-batches per step (bubble <= 0.25)", WARNING)
+    v = recipe.pipeline_parallel.virtual_stages
+    bubble = (pp - 1) / (v * m)
+    if bubble > 0.25:
+        m_needed = math.ceil(4 * (pp - 1) / v)
+        yield Problem("$.batch.grad_accum", f"pipeline bubble (p-1)/(v*m) = ({pp}-1)/({v}*{m}) = {bubble:.2f}: "
+                      f"stages idle {bubble:.0%} of the step",
+                      f"use >= {m_needed} micro-batches per step (bubble <= 0.25)", WARNING)
 
 
 def check_model_dims(recipe: Recipe, layout: Optional[Layout]) -> Problems:
@@ -224,10 +228,16 @@ RULES = (check_zero, check_batch_and_world, check_model_dims, check_tensor_paral
 
 
 def check_recipe(recipe: Recipe, world_size: Optional[int] = None) -> list[Problem]:
-    """Every cross-field problem of ``recipe`` at ``world_size`` (the launcher's process count, if known)."""
-    layout, problems = resolve_layout(recipe, world_size)
-    if layout is None and recipe.parallelism.data == "auto" and world_size is None:
-        problems = []  # "auto" is fine until a world size is known
+    """Every cross-field problem of ``recipe`` at ``world_size`` (the launcher's process count, if known).
+
+    Every rule runs, with or without a resolved layout: a rule that needs the data size skips only the
+    part that needs it, so one pass reports everything that is already certain.
+    """
+    if recipe.parallelism.data == "auto" and world_size is None:
+        # "auto" is fine until a world size is known; what no data size can fix is wrong already
+        layout, problems = None, batch_problems_for_any_data(recipe.batch)
+    else:
+        layout, problems = resolve_layout(recipe, world_size)
     for rule in RULES:
         problems.extend(rule(recipe, layout))
     return [p.with_file(recipe.source) for p in problems]

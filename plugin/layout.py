@@ -32,6 +32,16 @@ class Layout:
         return self.grad_accum
 
 
+def processes(n: int) -> str:
+    return f"{n} process{'es' if n != 1 else ''}"
+
+
+def _fitting_worlds(world_size: int, model_ranks: int) -> str:
+    """The process counts nearest to ``world_size`` that tensor x pipeline = ``model_ranks`` divides."""
+    lower = world_size - world_size % model_ranks
+    return " or ".join(str(n) for n in (lower, lower + model_ranks) if n >= model_ranks)
+
+
 def resolve_data(recipe, world_size: Optional[int]) -> tuple[Optional[int], list[Problem]]:
     """The data-parallel degree: the recipe's number, or world_size / (tensor x pipeline) for "auto"."""
     par = recipe.parallelism
@@ -41,13 +51,12 @@ def resolve_data(recipe, world_size: Optional[int]) -> tuple[Optional[int], list
     if world_size is None:
         return None, []
     if world_size % model_ranks:
-        lower = max(model_ranks, world_size - world_size % model_ranks)
         return None, [Problem(
             "$.parallelism.data",
-            f'"auto" cannot fill a world of {world_size} processes: tensor x pipeline = {model_ranks} '
-            f"does not divide {world_size}",
-            f"launch {lower} or {lower + model_ranks} processes, or change tensor/pipeline so their product "
-            f"divides {world_size}")]
+            f'"auto" cannot fill a world of {processes(world_size)}: tensor {par.tensor} x pipeline '
+            f"{par.pipeline} = {model_ranks} does not divide {world_size}",
+            f"launch {_fitting_worlds(world_size, model_ranks)} processes, or change tensor/pipeline so that "
+            f"their product divides {world_size}")]
     return world_size // model_ranks, []
 
 
@@ -92,32 +101,71 @@ def resolve_batch(batch, data: int) -> tuple[Optional[tuple[int, int, int]], lis
     return (g, m, g // per), []
 
 
+def known_grad_accum(batch) -> Optional[int]:
+    """The micro-batches per step when the batch block fixes them without the data size (else ``None``)."""
+    if batch.grad_accum is not None:
+        return batch.grad_accum
+    if batch.global_ is not None and batch.micro is not None:
+        return None  # global / (micro x data)
+    return 1
+
+
+def batch_problems_for_any_data(batch) -> list[Problem]:
+    """Batch problems that no data size can fix (for "auto" before the world size is known)."""
+    g, m, a = batch.global_, batch.micro, batch.grad_accum
+    if g is None and m is None:
+        return resolve_batch(batch, 1)[1]
+    if g is None:
+        return []
+    per, what = (m * a, f"micro {m} x grad_accum {a}") if m is not None and a is not None else \
+        (m, f"micro {m}") if m is not None else (a or 1, f"grad_accum {a}")
+    if g % per == 0:
+        return []
+    return [Problem("$.batch.global", f"global {g} is not a multiple of {what} = {per}, so global = micro x "
+                    "grad_accum x data holds for no data size",
+                    f"set global to a multiple of {per} ({nearest_multiple(g, per)} is the nearest)")]
+
+
+def _mismatch(recipe, data: Optional[int], world_size: int) -> Problem:
+    """The recipe's own world differs from the launcher's: say both ways out, in numbers."""
+    par = recipe.parallelism
+    model_ranks = par.tensor * par.pipeline
+    world = data * model_ranks
+    fix = f"launch {processes(world)}"
+    if world_size % model_ranks == 0:
+        other = world_size // model_ranks
+        fix += f', or set "data": {other} (or "auto") to run on {world_size}'
+        triple, problems = resolve_batch(recipe.batch, other)
+        if triple is None and problems and problems[0].path == "$.batch.global":
+            fix += f" and then {problems[0].hint}"
+    else:
+        fix += (f"; {world_size} cannot be split into tensor {par.tensor} x pipeline {par.pipeline} groups "
+                f"({model_ranks} does not divide {world_size}): launch {_fitting_worlds(world_size, model_ranks)} "
+                f'with "data": "auto", or choose tensor and pipeline whose product divides {world_size}')
+    return Problem("$.parallelism", f"data {data} x tensor {par.tensor} x pipeline {par.pipeline} = "
+                   f"{processes(world)}, but the launcher runs {world_size}", fix)
+
+
 def resolve_layout(recipe, world_size: Optional[int] = None) -> tuple[Optional[Layout], list[Problem]]:
-    """The recipe's :class:`Layout` at ``world_size`` (or ``None`` with the problems that prevent it).
+    """The recipe's :class:`Layout` at ``world_size`` (or ``None`` with every problem that prevents it).
 
     ``world_size`` is the launcher's process count. Without it a numeric ``data`` fixes the world and a
-    ``"data": "auto"`` recipe cannot be resolved.
+    ``"data": "auto"`` recipe cannot be resolved. The batch triple is checked even when the world does not
+    fit: against the recipe's own data size, or (for "auto") for what no data size can fix.
     """
     par = recipe.parallelism
     data, problems = resolve_data(recipe, world_size)
     if data is None:
         if not problems:
             problems = [Problem("$.parallelism.data", '"auto" needs the world size to be resolved',
-                                "pass --world-size N (or run under a launcher that sets WORLD_SIZE)")]
-        return None, problems
+                                "pass the world size (--world-size N on the command line; under a launcher, "
+                                "plugin.initialize takes it from WORLD_SIZE)")]
+        return None, problems + batch_problems_for_any_data(recipe.batch)
     world = data * par.tensor * par.pipeline
     if world_size is not None and world_size != world:
-        model_ranks = par.tensor * par.pipeline
-        fits = (f'set "data": {world_size // model_ranks} (or "auto")' if world_size % model_ranks == 0
-                else f"no data size fits {world_size} processes with tensor x pipeline = {model_ranks}")
-        problems.append(Problem(
-            "$.parallelism",
-            f"data {data} x tensor {par.tensor} x pipeline {par.pipeline} = {world} processes, "
-            f"but the launcher runs {world_size}",
-            f"launch {world} processes, or {fits}"))
-        return None, problems
+        problems.append(_mismatch(recipe, data, world_size))
     triple, batch_problems = resolve_batch(recipe.batch, data)
-    if triple is None:
+    if triple is None or problems:
         return None, problems + batch_problems
     g, m, a = triple
     return Layout(data=data, tensor=par.tensor, pipeline=par.pipeline, global_batch=g, micro_batch=m,

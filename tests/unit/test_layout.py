@@ -2,7 +2,7 @@
 import pytest
 
 from plugin.errors import RecipeError
-from plugin.layout import nearest_multiple, resolve_batch
+from plugin.layout import batch_problems_for_any_data, known_grad_accum, nearest_multiple, resolve_batch, resolve_layout
 from plugin.recipe import Batch, Recipe
 
 
@@ -54,10 +54,62 @@ def test_world_size_mismatch_suggests_both_fixes():
         _recipe(data=4, tensor=2).layout(12)
     (p,) = e.value.errors
     assert "launch 8 processes" in p.hint and '"data": 6' in p.hint
-    with pytest.raises(RecipeError, match="no data size fits 7"):
-        _recipe(data=4, tensor=2).layout(7)
+    with pytest.raises(RecipeError) as e:
+        _recipe(data=4, tensor=2, pipeline=3).layout(7)
+    (p,) = e.value.errors
+    assert p.message == "data 4 x tensor 2 x pipeline 3 = 24 processes, but the launcher runs 7"
+    assert p.hint == ('launch 24 processes; 7 cannot be split into tensor 2 x pipeline 3 groups (6 does not divide '
+                      '7): launch 6 or 12 with "data": "auto", or choose tensor and pipeline whose product divides 7')
+    with pytest.raises(RecipeError) as e:
+        _recipe(data=1).layout(2)
+    assert "= 1 process, but" in e.value.errors[0].message and "launch 1 process," in e.value.errors[0].hint
 
 
 def test_grad_accum_alone_is_a_problem_not_a_crash():
     triple, problems = resolve_batch(Batch(grad_accum=8), 2)
     assert triple is None and problems[0].path == "$.batch" and '"micro"' in problems[0].hint
+
+
+def test_a_world_mismatch_still_checks_the_batch_triple():
+    r = Recipe.from_dict({"name": "r", "parallelism": {"data": 4, "tensor": 2}, "batch": {"global": 30, "micro": 4}})
+    with pytest.raises(RecipeError) as e:
+        r.layout(12)
+    paths = [p.path for p in e.value.errors]
+    assert paths == ["$.parallelism", "$.batch.global"]  # the same batch error as without --world-size
+    assert [p.path for p in resolve_layout(r)[1]] == ["$.batch.global"]
+    # and the other way out (data 6) says what the batch must become there
+    assert '"data": 6' in e.value.errors[0].hint and "set global to 24" in e.value.errors[0].hint
+
+
+@pytest.mark.parametrize("batch,path", [
+    (Batch(global_=10, micro=4, grad_accum=2), "$.batch.global"),  # 10 is no multiple of 8
+    (Batch(global_=10, micro=4), "$.batch.global"),
+    (Batch(global_=10, grad_accum=4), "$.batch.global"),
+    (Batch(grad_accum=4), "$.batch"),
+    (Batch(global_=16, micro=4, grad_accum=2), None),  # data 2
+    (Batch(global_=12, micro=4), None),  # data 3 or 1
+])
+def test_batch_problems_no_data_size_can_fix(batch, path):
+    problems = batch_problems_for_any_data(batch)
+    assert [p.path for p in problems] == ([path] if path else [])
+    if path == "$.batch.global":
+        for data in range(1, 65):  # really no data size resolves it
+            assert resolve_batch(batch, data)[0] is None
+
+
+def test_known_grad_accum():
+    assert [known_grad_accum(b) for b in (Batch(grad_accum=3, micro=1), Batch(micro=4), Batch(global_=8),
+                                          Batch(global_=8, micro=2))] == [3, 1, 1, None]
+
+
+def test_auto_recipes_get_the_pipeline_rules_before_the_world_size_is_known():
+    from plugin.checks import check_recipe
+
+    def problems(**batch):
+        r = Recipe.from_dict({"name": "r", "parallelism": {"data": "auto", "pipeline": 4}, "batch": batch})
+        return [(p.path, p.severity) for p in check_recipe(r)]
+
+    assert problems(micro=1, grad_accum=2) == [("$.batch", "error")]
+    assert problems(micro=1, grad_accum=8) == [("$.batch.grad_accum", "warning")]  # bubble 3/8
+    assert problems(micro=1, grad_accum=16) == []
+    assert problems(**{"global": 64, "micro": 1}) == []  # grad_accum depends on the data size: nothing certain yet
