@@ -2,9 +2,10 @@
 
 :func:`to_ds_config` writes every key a recipe decides (the batch triple, zero_optimization, bf16/fp16,
 gradient_clipping, optimizer, pipeline) and then merges the recipe's raw ``deepspeed`` block, which may
-add keys but never contradict the recipe (:func:`deepspeed_block_problems` reports that as an error).
-:func:`from_ds_config` is the inverse: keys with no recipe meaning go under ``deepspeed``, so that
-``to_ds_config(from_ds_config(c))`` gives back an equivalent config.
+add keys but never contradict the recipe, defaults included (:func:`deepspeed_block_problems` reports that
+as an error; :mod:`plugin.ds_owned` says which keys the recipe owns). :func:`from_ds_config` is the
+inverse: keys with no recipe meaning go under ``deepspeed``, so that ``to_ds_config(from_ds_config(c))``
+gives back an equivalent config (the same keys and values, up to how DeepSpeed reads an optimizer type).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from .recipe import _thaw
 # deepspeed.runtime.constants.GRADIENT_CLIPPING_DEFAULT (tests pin it against the installed DeepSpeed).
 DEEPSPEED_DEFAULT_GRADIENT_CLIPPING = 1.0
 
-# DeepSpeed's optimizer type per recipe optimizer; sgd has none (the engine passes torch.optim.SGD).
+# DeepSpeed's optimizer type per Adam of the recipe ("SGD" is torch.optim.SGD, looked up by name).
 _DS_OPTIMIZER = {"adamw": "AdamW", "adam": "Adam"}
 
 
@@ -26,6 +27,16 @@ def _offload(device: str, nvme_path: Optional[str]) -> dict:
     if device == "nvme":
         out["nvme_path"] = nvme_path
     return out
+
+
+def ds_optimizer(opt) -> dict:
+    """The recipe's optimizer as a DeepSpeed optimizer section that builds exactly it (see :mod:`plugin.ds_owned`)."""
+    if opt.name == "sgd":
+        return {"type": "SGD", "params": {"lr": opt.lr, "momentum": opt.momentum, "weight_decay": opt.weight_decay}}
+    params = {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay}
+    if opt.name == "adam":
+        params["adam_w_mode"] = False  # DeepSpeed's "Adam" is AdamW unless told otherwise
+    return {"type": _DS_OPTIMIZER[opt.name], "params": params}
 
 
 def recipe_ds_config(recipe, layout) -> dict:
@@ -52,12 +63,9 @@ def recipe_ds_config(recipe, layout) -> dict:
         cfg["fp16"].update({"loss_scale": scale.loss_scale, "initial_scale_power": scale.initial_scale_power,
                             "loss_scale_window": scale.loss_scale_window, "hysteresis": scale.hysteresis,
                             "min_loss_scale": scale.min_loss_scale})
-    opt = recipe.optimizer
-    if opt.name in _DS_OPTIMIZER:
-        params = {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay}
-        if opt.name == "adam":
-            params["adam_w_mode"] = False  # DeepSpeed's "Adam" is AdamW unless told otherwise
-        cfg["optimizer"] = {"type": _DS_OPTIMIZER[opt.name], "params": params}
+    cfg["optimizer"] = ds_optimizer(recipe.optimizer)
+    if recipe.optimizer.name == "sgd" and z.stage >= 1:
+        cfg["zero_allow_untested_optimizer"] = True  # DeepSpeed asserts on torch.optim.SGD under ZeRO without it
     if layout.pipeline > 1:
         pp = recipe.pipeline_parallel
         cfg["pipeline"] = {"stages": layout.pipeline, "partition": pp.partition,
@@ -76,43 +84,16 @@ def merge(base: dict, extra: Mapping) -> dict:
     return out
 
 
-def _conflicts(ours: Mapping, theirs: Mapping, path: str) -> Iterator[tuple[str, Any, Any]]:
-    for key, value in theirs.items():
-        if key not in ours:
-            continue
-        if isinstance(value, Mapping) and isinstance(ours[key], Mapping):
-            yield from _conflicts(ours[key], value, f"{path}.{key}")
-        elif _thaw(value) != ours[key] and not (_is_number(value) and _is_number(ours[key])
-                                                and float(value) == float(ours[key])):
-            yield f"{path}.{key}", value, ours[key]
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-# Where each contradicted ds_config key is set in a recipe.
-_RECIPE_HOME = {
-    "train_batch_size": "$.batch.global", "train_micro_batch_size_per_gpu": "$.batch.micro",
-    "gradient_accumulation_steps": "$.batch.grad_accum", "gradient_clipping": "$.gradient_clipping",
-    "zero_optimization": "$.zero", "bf16": "$.precision", "fp16": "$.precision (and $.fp16)",
-    "optimizer": "$.optimizer", "pipeline": "$.pipeline_parallel",
-}
-
-
 def deepspeed_block_problems(recipe, layout) -> Iterator[Problem]:
-    """Errors for keys of the raw ``deepspeed`` block that contradict what the recipe decides."""
-    block = recipe.deepspeed or {}
-    if "optimizer" in block and recipe.optimizer.name not in _DS_OPTIMIZER:
-        yield Problem("$.deepspeed.optimizer", "an optimizer block here would fight the recipe's optimizer",
-                      "set it in $.optimizer")
-    if layout is None:
-        return
-    ours = recipe_ds_config(recipe, layout)
-    for path, theirs, mine in _conflicts(ours, block, "$.deepspeed"):
-        top = path.split(".")[2]
-        yield Problem(path, f"{theirs!r} contradicts the recipe, which gives {mine!r}",
-                      f"drop it here and set {_RECIPE_HOME.get(top, 'the recipe field')} instead")
+    """Errors for keys of the raw ``deepspeed`` block that contradict what the recipe decides, defaults included
+    (:mod:`plugin.ds_owned`); ``layout`` may be ``None`` ("auto" before the world size is known)."""
+    from .ds_owned import optimizer_problems, owned_keys, owned_problems
+
+    block = _thaw(recipe.deepspeed or {})
+    rest = {k: v for k, v in block.items() if k != "optimizer"}
+    yield from owned_problems(owned_keys(recipe, layout), rest, "$.deepspeed")
+    if "optimizer" in block:
+        yield from optimizer_problems(recipe, ds_optimizer(recipe.optimizer), block["optimizer"])
 
 
 def to_ds_config(recipe, world_size: Optional[int] = None) -> dict:
@@ -147,8 +128,8 @@ def from_ds_config(cfg: Mapping, world_size: Optional[int] = None, name: str = "
     rest = copy.deepcopy(_thaw(cfg))
     recipe: dict[str, Any] = {"$schema": "../schemas/recipe.schema.json", "name": name,
                               "description": "Imported from a DeepSpeed config."}
-    pipeline = _pop(rest, "pipeline", "stages")
-    pipeline = pipeline if isinstance(pipeline, int) else 1
+    stages = _pop(rest, "pipeline", "stages")
+    pipeline = stages if isinstance(stages, int) and not isinstance(stages, bool) and stages >= 1 else 1
     g = _pop(rest, "train_batch_size")
     m = _pop(rest, "train_micro_batch_size_per_gpu")
     a = _pop(rest, "gradient_accumulation_steps")
@@ -175,16 +156,21 @@ def from_ds_config(cfg: Mapping, world_size: Optional[int] = None, name: str = "
             zero["nvme_path"] = path
     if zero:
         recipe["zero"] = zero
-    if pipeline > 1:
-        pp: dict[str, Any] = {}
-        partition = _pop(rest, "pipeline", "partition")
-        if partition in ("parameters", "uniform") or (isinstance(partition, str) and partition.startswith("type:")):
-            pp["partition"] = partition
-        interval = _pop(rest, "pipeline", "activation_checkpoint_interval")
-        if interval is not None:
-            pp["activation_checkpoint_interval"] = interval
-        if pp:
-            recipe["pipeline_parallel"] = pp
+    pp: dict[str, Any] = {}
+    partition = _pop(rest, "pipeline", "partition")
+    if partition in ("parameters", "uniform") or (isinstance(partition, str) and partition.startswith("type:")):
+        pp["partition"] = partition
+    elif partition is not None:  # "profile" and the like: no recipe equivalent; the checks report it
+        rest.setdefault("pipeline", {})["partition"] = partition
+    interval = _pop(rest, "pipeline", "activation_checkpoint_interval")
+    if interval is not None:
+        pp["activation_checkpoint_interval"] = interval
+    if pp:
+        recipe["pipeline_parallel"] = pp
+    if pipeline == 1 and (pp or stages == 1):  # the recipe exports no section for one stage: keep theirs (it agrees)
+        rest.setdefault("pipeline", {}).update({**({"stages": 1} if stages == 1 else {}), **pp})
+    elif _given(stages) and stages != pipeline:  # a float or the like: no recipe equivalent; the checks say so
+        rest.setdefault("pipeline", {})["stages"] = stages
     recipe["batch"] = {k: v for k, v in (("global", g), ("micro", m), ("grad_accum", a)) if _given(v)} \
         or {"micro": 1}
     bf16 = bool(_pop(rest, "bf16", "enabled", default=False))
@@ -199,13 +185,7 @@ def from_ds_config(cfg: Mapping, world_size: Optional[int] = None, name: str = "
     for k in ("bf16", "fp16"):  # drop {"enabled": false} leftovers; keep other raw keys
         if rest.get(k) == {}:
             rest.pop(k)
-    opt_type = str((rest.get("optimizer") or {}).get("type", "")).lower()
-    params = (rest.get("optimizer") or {}).get("params", {})
-    adam_w = params.get("adam_w_mode", True)
-    if opt_type in ("adam", "adamw") and set(params) <= {"lr", "betas", "eps", "weight_decay", "adam_w_mode"} \
-            and all(_given(v) for v in params.values()) and (opt_type == "adamw" or adam_w is False):
-        rest.pop("optimizer")
-        recipe["optimizer"] = {"name": opt_type, **{k: v for k, v in params.items() if k != "adam_w_mode"}}
+    _import_optimizer(rest, recipe)
     clip = _pop(rest, "gradient_clipping")
     # A config without the key clips at DeepSpeed's own default; the recipe says so explicitly.
     recipe["gradient_clipping"] = clip if _given(clip) else DEEPSPEED_DEFAULT_GRADIENT_CLIPPING
@@ -213,6 +193,32 @@ def from_ds_config(cfg: Mapping, world_size: Optional[int] = None, name: str = "
     if rest:
         recipe["deepspeed"] = rest
     return recipe
+
+
+def _import_optimizer(rest: dict, recipe: dict) -> None:
+    """Move an Adam / AdamW / SGD section of ``rest`` into ``recipe["optimizer"]``, as DeepSpeed reads it
+    (:func:`plugin.ds_owned.optimizer_meaning`, DeepSpeed's defaults filled in). Params with no recipe field
+    (``torch_adam``, ``nesterov``...) stay under ``deepspeed.optimizer.params``; an optimizer the recipe cannot
+    say stays raw, where the checks report it. ``"auto"`` values (Hugging Face) take DeepSpeed's defaults."""
+    from .ds_owned import optimizer_meaning
+
+    section = rest.get("optimizer")
+    if not isinstance(section, dict):
+        return
+    params = section.get("params") if isinstance(section.get("params"), dict) else {}
+    given = {k: v for k, v in params.items() if _given(v)}
+    meaning, foreign = optimizer_meaning({**section, "params": given})
+    if meaning is None or foreign or set(section) - {"type", "params"}:
+        return
+    recipe["optimizer"] = meaning
+    extra = {k: v for k, v in params.items() if k not in meaning and k != "adam_w_mode"}
+    if extra:
+        rest["optimizer"] = {"params": extra}
+    else:
+        rest.pop("optimizer")
+    if meaning["name"] == "sgd" and rest.get("zero_allow_untested_optimizer") is True \
+            and (recipe.get("zero") or {}).get("stage", 0) >= 1:
+        rest.pop("zero_allow_untested_optimizer")  # the recipe writes it for SGD under ZeRO
 
 
 def _yaml_scalar(value) -> str:

@@ -1,4 +1,5 @@
 """Recipe -> ds_config / accelerate YAML, ds_config -> recipe, and DeepSpeed's own acceptance."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -43,8 +44,12 @@ def test_adam_is_not_silently_adamw():
     assert cfg["optimizer"]["type"] == "Adam" and cfg["optimizer"]["params"]["adam_w_mode"] is False
 
 
-def test_sgd_has_no_deepspeed_type():
-    assert "optimizer" not in to_ds_config(_recipe(optimizer={"name": "sgd", "momentum": 0.9}))
+def test_sgd_is_torch_sgd_and_allowed_under_zero():
+    cfg = to_ds_config(_recipe(optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9}))
+    assert cfg["optimizer"] == {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0}}
+    assert "zero_allow_untested_optimizer" not in cfg  # stage 0: no ZeRO optimizer to test it
+    cfg = to_ds_config(_recipe(optimizer={"name": "sgd"}, zero={"stage": 1}))
+    assert cfg["zero_allow_untested_optimizer"] is True  # else DeepSpeed asserts on torch.optim.SGD under ZeRO
 
 
 def test_offload_and_fp16_blocks():
@@ -56,15 +61,84 @@ def test_offload_and_fp16_blocks():
     assert cfg["fp16"]["enabled"] and cfg["fp16"]["initial_scale_power"] == 12 and cfg["fp16"]["loss_scale"] == 0
 
 
+def _errors(recipe, world_size=None):
+    from plugin.checks import check_recipe
+
+    return {p.path: p for p in check_recipe(recipe, world_size) if p.is_error}
+
+
 def test_raw_block_is_merged_last_but_may_not_contradict():
     r = _recipe(deepspeed={"wall_clock_breakdown": True, "zero_optimization": {"overlap_comm": True, "stage": 0}})
     cfg = to_ds_config(r)
     assert cfg["wall_clock_breakdown"] is True and cfg["zero_optimization"] == {"stage": 0, "overlap_comm": True}
-    from plugin.checks import check_recipe
-
     bad = _recipe(deepspeed={"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True}})
-    paths = {p.path for p in check_recipe(bad) if p.is_error}
-    assert paths == {"$.deepspeed.train_micro_batch_size_per_gpu", "$.deepspeed.bf16.enabled"}
+    assert set(_errors(bad)) == {"$.deepspeed.train_micro_batch_size_per_gpu", "$.deepspeed.bf16.enabled"}
+
+
+def test_raw_block_may_not_override_what_the_recipe_leaves_at_its_default():
+    """The reviewer's case: cpu_dp4 is ZeRO-1 without offload and one stage; its export leaves those keys out."""
+    base = load_recipe("cpu_dp4")
+    r = dataclasses.replace(base, deepspeed={
+        "zero_optimization": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"},
+                              "overlap_comm": True, "reduce_bucket_size": 5e7},
+        "pipeline": {"stages": 4}})
+    errors = _errors(r)
+    assert set(errors) == {"$.deepspeed.zero_optimization.offload_optimizer.device",
+                           "$.deepspeed.zero_optimization.offload_param.device", "$.deepspeed.pipeline.stages"}
+    p = errors["$.deepspeed.pipeline.stages"]
+    assert "4" in p.message and "gives 1" in p.message and "$.parallelism.pipeline" in p.hint
+    p = errors["$.deepspeed.zero_optimization.offload_param.device"]
+    assert '"nvme"' in p.message and '"none"' in p.message and "set $.zero.offload_param" in p.hint
+    ok = dataclasses.replace(base, deepspeed={  # extra keys, and owned keys that repeat the recipe, are fine
+        "zero_optimization": {"stage": 1, "overlap_comm": True, "reduce_bucket_size": 5e7,
+                              "offload_optimizer": {"device": "none"}},
+        "pipeline": {"stages": 1}, "fp16": {"enabled": False, "loss_scale_window": 1000}, "gradient_clipping": 1,
+        "optimizer": {"type": "adamw", "params": {"torch_adam": True, "lr": base.optimizer.lr}}})
+    assert _errors(ok) == {}
+    cfg = to_ds_config(ok)
+    assert cfg["zero_optimization"]["overlap_comm"] is True and cfg["zero_optimization"]["reduce_bucket_size"] == 5e7
+    assert cfg["optimizer"]["params"]["torch_adam"] is True
+
+
+@pytest.mark.parametrize("block,path,words", [
+    ({"fp16": {"loss_scale": 128}}, "$.deepspeed.fp16.loss_scale", ["128", "gives 0", "$.fp16.loss_scale"]),
+    ({"fp16": {"enabled": True}}, "$.deepspeed.fp16.enabled", ["true", "false", "$.precision"]),
+    ({"amp": {"enabled": True}}, "$.deepspeed.amp.enabled", ["$.precision"]),
+    ({"zero_optimization": {"cpu_offload": True}}, "$.deepspeed.zero_optimization.cpu_offload",
+     ["deprecated", "$.zero.offload_optimizer"]),
+    ({"zero_optimization": {"offload_param": {"nvme_path": "/x"}}},
+     "$.deepspeed.zero_optimization.offload_param.nvme_path", ["no zero.nvme_path", "$.zero.nvme_path"]),
+    ({"zero_optimization": 3}, "$.deepspeed.zero_optimization", ["not an object", "$.zero"]),
+    ({"gradient_clipping": 0.5}, "$.deepspeed.gradient_clipping", ["0.5", "gives 1.0"]),
+    ({"pipeline": {"partition": "uniform"}}, "$.deepspeed.pipeline.partition", ['"parameters"']),
+    ({"optimizer": {"params": {"lr": 0.5}}}, "$.deepspeed.optimizer.params.lr", ["0.5", "gives 0.001"]),
+    ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, "$.deepspeed.optimizer.type",
+     ["build adam", '"adamw"', "$.optimizer.name"]),
+    ({"optimizer": {"type": "Lamb"}}, "$.deepspeed.optimizer.type", ['"Lamb"', "adamw, adam and sgd"]),
+    ({"optimizer": {"params": {"momentum": 0.9}}}, "$.deepspeed.optimizer.params.momentum", ["takes no momentum"]),
+])
+def test_each_owned_key_is_checked(block, path, words):
+    errors = _errors(_recipe(deepspeed=block))
+    assert path in errors, errors
+    text = errors[path].format()
+    for w in words:
+        assert w in text, text
+
+
+def test_adam_recipes_own_adam_w_mode_and_sgd_owns_its_params():
+    errors = _errors(_recipe(optimizer={"name": "adam"}, deepspeed={"optimizer": {"params": {"adam_w_mode": True}}}))
+    assert "$.deepspeed.optimizer.params.adam_w_mode" in errors
+    errors = _errors(_recipe(optimizer={"name": "sgd"}, deepspeed={"optimizer": {"params": {"betas": [0.9, 0.9]}}}))
+    assert "takes no betas" in errors["$.deepspeed.optimizer.params.betas"].message
+    # DeepSpeed's "Adam" with adam_w_mode left at its default is AdamW: the same as the recipe's adamw
+    assert _errors(_recipe(deepspeed={"optimizer": {"type": "Adam"}})) == {}
+
+
+def test_raw_batch_keys_are_checked_before_the_world_size_is_known():
+    r = _recipe(parallelism={"data": "auto"}, batch={"global": 64, "micro": 2},
+                deepspeed={"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2})
+    assert set(_errors(r)) == {"$.deepspeed.train_batch_size"}
+    assert set(_errors(r, 8)) == {"$.deepspeed.train_batch_size"}
 
 
 def test_gradient_clipping_default_is_deepspeeds():
@@ -97,36 +171,119 @@ REAL_WORLD_CONFIGS = [
                            "offload_param": {"device": "cpu", "pin_memory": True}, "stage3_max_live_parameters": 1e9},
      "optimizer": {"type": "AdamW", "params": {"lr": 2e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
      "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 2e-5, "warmup_num_steps": 100}}},
-    # an optimizer type the recipe cannot say stays raw
+    # the DeepSpeed docs' optimizer example: "Adam" with adam_w_mode at its default True is AdamW
+    {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}},
+    {"train_batch_size": 16, "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "betas": [0.8, 0.999], "eps": 1e-8,
+                                                                     "weight_decay": 3e-7}}},
+    # classic (L2) Adam, and torch's AdamW (whose weight_decay default is 0.01) through torch_adam
+    {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": False}}},
+    {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
+     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}},
+    # lower-case type (DeepSpeed lower-cases its own optimizers' names)
+    {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "adamw", "params": {"weight_decay": 0.1}}},
+    # SGD is torch.optim.SGD; under ZeRO DeepSpeed wants zero_allow_untested_optimizer
     {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 1},
-     "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}, "gradient_clipping": 1.0},
+     "zero_allow_untested_optimizer": True,
+     "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "nesterov": True}}},
+    # offload with pin_memory off, and a one-stage pipeline section
+    {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu",
+                                                                                             "pin_memory": False}},
+     "pipeline": {"stages": 1, "partition": "uniform"}},
 ]
 
 
-@pytest.mark.parametrize("cfg", REAL_WORLD_CONFIGS)
+def _flat(d, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def _built_optimizer(cfg):
+    """What DeepSpeed's own engine code builds from a config's optimizer section: the class and every argument
+    (its signature's defaults filled in), from DeepSpeedEngine._configure_basic_optimizer run on a stand-in
+    engine that records the call instead of building (FusedAdam would JIT-compile)."""
+    import inspect
+
+    engine = pytest.importorskip("deepspeed.runtime.engine")
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    name = cfg["optimizer"]["type"]
+    calls = []
+
+    class StandIn:
+        optimizer_params = staticmethod(lambda: dict(cfg["optimizer"].get("params", {})))
+        optimizer_name = staticmethod(lambda: name.lower() if name.lower() in DEEPSPEED_OPTIMIZERS else name)
+        zero_use_cpu_optimizer = staticmethod(lambda: False)  # DeepSpeedCPUAdam has FusedAdam's defaults
+
+        def get_optimizer_configuration(self, params, adam_w_mode, **kw):
+            cls, kwargs = engine.DeepSpeedEngine.get_optimizer_configuration(self, params, adam_w_mode, **kw)
+            return (lambda _, **args: calls.append((cls, args))), kwargs
+
+    if name == "SGD":
+        import torch
+
+        calls.append((torch.optim.SGD, dict(cfg["optimizer"].get("params", {}))))
+    else:
+        engine.DeepSpeedEngine._configure_basic_optimizer(StandIn(), [])
+    (cls, args), = calls
+    sig = inspect.signature(cls.__init__)
+    full = {k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+    full.update(args)
+    full = {k: list(v) if isinstance(v, tuple) else v for k, v in full.items()}
+    full.pop("adamw_mode", None)  # DeepSpeedCPUAdam's spelling, unused here
+    return cls.__name__, full
+
+
+@pytest.mark.parametrize("cfg", REAL_WORLD_CONFIGS, ids=lambda c: json.dumps(c.get("optimizer", {}))[:40])
 def test_import_then_export_gives_an_equivalent_config(cfg):
+    from plugin.checks import check_recipe
+
     data = from_ds_config(cfg, world_size=8)
     recipe, problems = recipe_from_data(data)
     assert recipe is not None, problems
+    assert [p for p in check_recipe(recipe, 8) if p.is_error] == []
     out = to_ds_config(recipe, 8)
-
-    def flat(d, prefix=""):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                yield from flat(v, f"{prefix}{k}.")
-            else:
-                yield f"{prefix}{k}", v
-
-    theirs, ours = dict(flat(cfg)), dict(flat(out))
+    theirs, ours = dict(_flat(cfg)), dict(_flat(out))
     for key, value in theirs.items():  # everything they said is said again, with the same value
-        assert ours[key] == value, key
-    extra = {k: v for k, v in ours.items() if k not in theirs}
-    # what we add is explicit defaults: the derived triple member, disabled precisions, Adam defaults
-    allowed = {"train_batch_size", "gradient_accumulation_steps", "bf16.enabled", "fp16.enabled",
-               "optimizer.params.betas", "optimizer.params.eps", "optimizer.params.weight_decay"}
-    if "optimizer" not in cfg:  # the recipe always names one; `import` warns that it took the default
-        allowed |= {"optimizer.type", "optimizer.params.lr"}
+        if not key.startswith("optimizer."):
+            assert ours[key] == value, key
+    extra = {k: v for k, v in ours.items() if k not in theirs and not k.startswith("optimizer.")}
+    # what we add is explicit defaults: the derived triple members and disabled precisions
+    allowed = {"train_batch_size", "gradient_accumulation_steps", "train_micro_batch_size_per_gpu",
+               "gradient_clipping", "bf16.enabled", "fp16.enabled", "zero_optimization.stage"}
     assert set(extra) <= allowed, extra
+    if "optimizer" in cfg:  # the same optimizer, as DeepSpeed's code reads both
+        assert _built_optimizer(out) == _built_optimizer(cfg)
+    else:
+        assert recipe.optimizer.name == "adamw"  # the recipe's default; `import` warns that it took it
+
+
+def test_import_keeps_an_optimizer_the_recipe_cannot_say_and_reports_it():
+    from plugin.checks import check_recipe
+
+    cfg = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "Lamb",
+                                                                                       "params": {"lr": 1e-3}}}
+    data = from_ds_config(cfg, world_size=8)
+    assert data["deepspeed"]["optimizer"] == cfg["optimizer"]
+    recipe, _ = recipe_from_data(data)
+    (p,) = [p for p in check_recipe(recipe, 8) if p.is_error]
+    assert p.path == "$.deepspeed.optimizer.type" and "Lamb" in p.message and "$.optimizer.name" in p.hint
+
+
+@pytest.mark.parametrize("section,expected", [
+    ({"type": "Adam", "params": {"lr": 1e-4}}, {"name": "adamw", "lr": 1e-4, "weight_decay": 0.0}),
+    ({"type": "Adam", "params": {"adam_w_mode": False}}, {"name": "adam", "lr": 1e-3}),
+    ({"type": "AdamW", "params": {"adam_w_mode": False}}, {"name": "adamw"}),  # "AdamW" wins over adam_w_mode
+    ({"type": "AdamW", "params": {"torch_adam": True}}, {"name": "adamw", "weight_decay": 0.01}),
+    ({"type": "Adam", "params": {"torch_adam": True, "adam_w_mode": False}}, {"name": "adam", "weight_decay": 0.0}),
+    ({"type": "SGD", "params": {"lr": 0.1}}, {"name": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0}),
+    ({"type": "Adam", "params": {"lr": "auto", "betas": "auto"}}, {"name": "adamw", "lr": 1e-3, "betas": [0.9, 0.999]}),
+])
+def test_import_maps_the_optimizer_with_deepspeeds_defaults(section, expected):
+    opt = from_ds_config({"train_batch_size": 8, "optimizer": section}, world_size=8)["optimizer"]
+    assert {k: opt[k] for k in expected} == expected, opt
 
 
 def test_accelerate_yaml_is_loaded_by_accelerate(tmp_path):
@@ -155,23 +312,70 @@ DS_CHECK = textwrap.dedent("""
     for name, (cfg, data) in json.load(sys.stdin).items():
         try:
             c = DeepSpeedConfig(cfg, mpu=DataGroupSize(data))
-            results[name] = [c.train_batch_size, c.zero_optimization_stage, c.gradient_clipping, c.bfloat16_config.enabled]
+            z, f = c.zero_config, c.float16_config
+            results[name] = {
+                "batch": c.train_batch_size, "stage": c.zero_optimization_stage, "clip": c.gradient_clipping,
+                "bf16": c.bfloat16_config.enabled, "fp16": f.enabled, "scale_power": f.initial_scale_power,
+                "scale_window": f.loss_scale_window, "overlap_comm": z.overlap_comm,
+                "reduce_bucket_size": z.reduce_bucket_size,
+                "offload_param": z.offload_param.device if z.offload_param else None,
+                "nvme_path": str(z.offload_param.nvme_path) if z.offload_param and z.offload_param.nvme_path else None,
+                "optimizer": c.optimizer_name}
         except Exception as e:
             results[name] = repr(e)
     print(json.dumps(results))
 """)
 
 
+def _expected(recipe, lay) -> dict:
+    """What DeepSpeed should read back from the recipe's export (its own defaults where the recipe is silent)."""
+    z, scale, raw = recipe.zero, recipe.fp16, (recipe.deepspeed or {}).get("zero_optimization", {})
+    return {"batch": lay.global_batch, "stage": z.stage, "clip": recipe.gradient_clipping,
+            "bf16": recipe.precision == "bf16", "fp16": recipe.precision == "fp16",
+            "scale_power": scale.initial_scale_power if scale else 16,
+            "scale_window": scale.loss_scale_window if scale else 1000,
+            "overlap_comm": raw.get("overlap_comm", z.stage == 3),  # DeepSpeed's default: on for ZeRO-3 only
+            "reduce_bucket_size": raw.get("reduce_bucket_size", 5e8),
+            "offload_param": None if z.offload_param == "none" else z.offload_param,
+            "nvme_path": z.nvme_path if z.offload_param == "nvme" else None,
+            "optimizer": {"adamw": "adamw", "adam": "adam", "sgd": "SGD"}[recipe.optimizer.name]}
+
+
+def _beyond_the_shipped_recipes() -> dict:
+    """Exports the shipped recipes do not cover: a merged raw block, fp16 with a loss-scale block, nvme offload."""
+    def recipe(**extra):
+        data = {"name": "r", "parallelism": {"data": 2}, "batch": {"micro": 2, "grad_accum": 2}, **extra}
+        r, problems = recipe_from_data(data)
+        assert r is not None and not [p for p in problems if p.is_error], problems
+        from plugin.checks import check_recipe
+
+        assert [p for p in check_recipe(r) if p.is_error] == []
+        return r
+
+    return {
+        "merged_block": recipe(zero={"stage": 2}, deepspeed={
+            "zero_optimization": {"overlap_comm": True, "reduce_bucket_size": 5e7, "contiguous_gradients": True},
+            "wall_clock_breakdown": False, "steps_per_print": 50,
+            "optimizer": {"params": {"torch_adam": True}}}),
+        "fp16_loss_scale": recipe(precision="fp16", fp16={"initial_scale_power": 12, "loss_scale_window": 500,
+                                                          "hysteresis": 4, "min_loss_scale": 2}),
+        "nvme_offload": recipe(zero={"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme",
+                                     "nvme_path": "/local_nvme"}, launcher="deepspeed", precision="bf16"),
+        "sgd_zero1": recipe(zero={"stage": 1}, optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9}),
+    }
+
+
 def test_every_exported_config_is_accepted_by_deepspeed():
     pytest.importorskip("deepspeed")
     from tests.dist.ports import free_port
 
+    recipes = {p.stem: load_recipe(p, _world(p.stem)) for p in shipped_recipes()}
+    recipes.update(_beyond_the_shipped_recipes())
     configs, expect = {}, {}
-    for path in shipped_recipes():
-        recipe = load_recipe(path, _world(path.stem))
-        lay = recipe.layout(_world(path.stem))
-        configs[path.stem] = [to_ds_config(recipe, _world(path.stem)), lay.data]
-        expect[path.stem] = [lay.global_batch, recipe.zero.stage, recipe.gradient_clipping, recipe.precision == "bf16"]
+    for name, recipe in recipes.items():
+        lay = recipe.layout(_world(name))
+        configs[name] = [to_ds_config(recipe, _world(name)), lay.data]
+        expect[name] = _expected(recipe, lay)
     # a wrong data size must be refused, or the check above proves nothing
     configs["wrong_data_size"] = [to_ds_config(load_recipe("tp2_dp4")), 3]
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
