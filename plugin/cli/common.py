@@ -9,7 +9,7 @@ import json
 import sys
 from typing import Iterable, Sequence
 
-from ..errors import Problem
+from ..errors import Problem, RecipeError
 
 EXIT_OK, EXIT_USAGE, EXIT_INVALID = 0, 1, 2
 
@@ -66,6 +66,26 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]
     for row in rows:
         table.add_row(*(escape(str(cell)) for cell in row))
     Console(width=max(100, shutil.get_terminal_size((120, 24)).columns)).print(table)
+
+
+def run_command(args) -> int:
+    """Run a parsed command; a :class:`RecipeError` it lets escape is printed as its problems (exit 2),
+    never as a traceback. ``python -m plugin``'s main calls every command through this."""
+    try:
+        return int(args.run(args) or 0)
+    except RecipeError as e:
+        print_problems(e.problems)
+        return EXIT_INVALID
+
+
+def needs_world_size(recipe, world_size, why: str) -> bool:
+    """True (after saying so on stderr) when ``recipe`` has ``"data": "auto"`` and no world size was given."""
+    if recipe.parallelism.data != "auto" or world_size is not None:
+        return False
+    print_problems([Problem("$.parallelism.data", f'"auto" takes the data size from the world size, and {why}',
+                            "pass --world-size N (the number of processes the launcher will start)",
+                            file=recipe.source)])
+    return True
 
 
 def load_or_report(ref: str, world_size):

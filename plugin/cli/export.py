@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import EXIT_INVALID, EXIT_OK, add_world_size, load_or_report
+from .common import EXIT_INVALID, EXIT_OK, add_world_size, load_or_report, needs_world_size
 
 
 def register(sub) -> None:
@@ -24,6 +24,9 @@ def run(args) -> int:
 
     recipe = load_or_report(args.recipe, args.world_size)
     if recipe is None:
+        return EXIT_INVALID
+    what = "a DeepSpeed config's batch triple" if args.to == "deepspeed" else "an Accelerate config's num_processes"
+    if needs_world_size(recipe, args.world_size, f"{what} depends on it"):
         return EXIT_INVALID
     if args.to == "deepspeed":
         text = json.dumps(to_ds_config(recipe, args.world_size), indent=2) + "\n"

@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..errors import WARNING, Problem
 from .common import EXIT_INVALID, EXIT_OK, EXIT_USAGE, add_world_size, print_problems
 
 
@@ -22,30 +23,30 @@ def register(sub) -> None:
 def run(args) -> int:
     from ..checks import check_recipe
     from ..ds_config import from_ds_config
-    from ..recipe import parse_json, recipe_from_data
+    from ..recipe import INVALID, parse_json, recipe_from_data
+    from ..schema import json_type
 
     try:
         text = Path(args.ds_config).read_text(encoding="utf-8")
     except OSError as e:
         print(f"{args.ds_config}: cannot read: {e}", file=sys.stderr)
         return EXIT_USAGE
-    cfg, problems = parse_json(text, args.ds_config)
-    if cfg is None or not isinstance(cfg, dict):
-        print_problems(problems or [])
-        if cfg is not None:
-            print(f"{args.ds_config}: $: a DeepSpeed config is a JSON object", file=sys.stderr)
+    cfg, parse_problems = parse_json(text, args.ds_config)
+    if cfg is INVALID or not isinstance(cfg, dict):
+        if cfg is not INVALID:
+            parse_problems.append(Problem("$", f"the top level must be a JSON object (a DeepSpeed config), not "
+                                          f"{json_type(cfg)}", 'write an object such as {"train_batch_size": 32}',
+                                          file=args.ds_config))
+        print_problems(parse_problems)
         return EXIT_INVALID
     name = args.name or (Path(args.output).stem if args.output else "imported")
     data = from_ds_config(cfg, args.world_size, name=name)
+    # The recipe's own problems name the output file, or else the DeepSpeed config it came from.
     recipe, problems = recipe_from_data(data, args.output or "")
     if recipe is not None:
         problems += check_recipe(recipe, args.world_size)
-    if "optimizer" not in cfg:
-        from ..errors import WARNING, Problem
-
-        problems.insert(0, Problem("$.optimizer", "the DeepSpeed config names no optimizer (its script passed one): "
-                                   "the recipe takes its default, adamw with lr 0.001",
-                                   "set $.optimizer to what the script used", WARNING, args.ds_config))
+    problems = parse_problems + _optimizer_warnings(cfg, args.ds_config) + \
+        [p if p.file else p.with_file(args.ds_config) for p in problems]
     print_problems(problems)
     text = json.dumps(data, indent=2) + "\n"
     if args.output:
@@ -54,3 +55,18 @@ def run(args) -> int:
     else:
         sys.stdout.write(text)
     return EXIT_OK if recipe is not None and not any(p.is_error for p in problems) else EXIT_INVALID
+
+
+def _optimizer_warnings(cfg: dict, file: str) -> list[Problem]:
+    """What the recipe had to assume about the optimizer: none named, or "auto" values (Hugging Face's)."""
+    section = cfg.get("optimizer")
+    if section is None:
+        return [Problem("$.optimizer", "the DeepSpeed config names no optimizer (its script passed one): the recipe "
+                        "takes its default, adamw with lr 0.001", "set $.optimizer to what the script used",
+                        WARNING, file)]
+    params = section.get("params") if isinstance(section, dict) else None
+    if not isinstance(params, dict):
+        return []
+    return [Problem(f"$.optimizer.params.{k}", '"auto" (the Hugging Face Trainer fills it in): the recipe takes '
+                    "DeepSpeed's default instead", f"set $.optimizer.{k} in the recipe to the value you train with",
+                    WARNING, file) for k, v in params.items() if v == "auto"]

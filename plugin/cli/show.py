@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from .common import EXIT_INVALID, EXIT_OK, add_world_size, print_json, load_or_report
+from .common import EXIT_INVALID, EXIT_OK, add_world_size, load_or_report, needs_world_size, print_json
 
 
 def register(sub) -> None:
@@ -38,12 +38,7 @@ def run(args) -> int:
     recipe = load_or_report(args.recipe, args.world_size)
     if recipe is None:
         return EXIT_INVALID
-    if recipe.parallelism.data == "auto" and args.world_size is None:
-        from .common import print_problems
-        from ..errors import Problem
-
-        print_problems([Problem("$.parallelism.data", '"auto" needs a world size to show the rank map',
-                                "pass --world-size N", file=recipe.source)])
+    if needs_world_size(recipe, args.world_size, "the rank map depends on it"):
         return EXIT_INVALID
     layout = recipe.layout(args.world_size)
     topology = Topology(layout.pipeline, layout.data, layout.tensor)

@@ -37,7 +37,9 @@ def _summary(recipe, world_size) -> str:
     par = recipe.parallelism
     if par.data == "auto" and world_size is None:
         return f'data auto x tensor {par.tensor} x pipeline {par.pipeline} (world size set by the launcher)'
+    from ..layout import processes
+
     lay = recipe.layout(world_size)
-    return (f"data {lay.data} x tensor {lay.tensor} x pipeline {lay.pipeline} = {lay.world_size} processes; "
+    return (f"data {lay.data} x tensor {lay.tensor} x pipeline {lay.pipeline} = {processes(lay.world_size)}; "
             f"batch {lay.global_batch} = micro {lay.micro_batch} x grad_accum {lay.grad_accum} x data {lay.data}; "
             f"ZeRO-{recipe.zero.stage}, {recipe.precision}")

@@ -132,3 +132,95 @@ def test_import_bad_json(tmp_path):
 def test_unknown_recipe_name_suggests_one():
     out = cli("validate", "tp2dp4")
     assert out.returncode == 2 and "did you mean tp2_dp4" in out.stderr
+
+
+def _no_traceback(out):
+    assert "Traceback" not in out.stderr, out.stderr
+
+
+def test_auto_recipe_without_world_size_is_a_problem_not_a_traceback():
+    for args in (("export", "tp2_auto", "--to", "deepspeed"), ("export", "tp2_auto", "--to", "accelerate"),
+                 ("show", "tp2_auto")):
+        out = cli(*args)
+        _no_traceback(out)
+        assert out.returncode == 2, (args, out.stderr)
+        (line,) = out.stderr.splitlines()
+        assert line.startswith(str(ROOT / "recipes" / "tp2_auto.json") + ": $.parallelism.data: ") and \
+            "-> pass --world-size N" in line, line
+    out = cli("export", "tp2_auto", "--to", "deepspeed", "--world-size", "8")
+    assert out.returncode == 0 and json.loads(out.stdout)["train_batch_size"] == 128
+
+
+def test_a_recipe_error_escaping_a_command_is_printed_not_raised(capsys):
+    import argparse
+
+    from plugin.cli.common import run_command
+    from plugin.errors import Problem, RecipeError
+
+    def run(args):
+        raise RecipeError([Problem("$.x", "broken", "fix it", file="r.json")])
+
+    assert run_command(argparse.Namespace(run=run)) == 2
+    assert capsys.readouterr().err == "r.json: $.x: broken -> fix it\n"
+
+
+def test_integral_floats_are_rejected_by_every_command():
+    path = INVALID / "integral_floats.json"
+    for args in (("validate", path), ("show", path), ("export", path, "--to", "deepspeed")):
+        out = cli(*args)
+        _no_traceback(out)
+        assert out.returncode == 2 and "$.parallelism.data: 2.0 is a float" in out.stderr and \
+            "write 2, not 2.0" in out.stderr, out.stderr
+
+
+def test_null_and_non_finite_numbers_are_reported(tmp_path):
+    out = cli("validate", INVALID / "null_document.json")
+    assert out.returncode == 2 and "$: the top level must be a JSON object (a recipe), not null" in out.stderr
+    report = json.loads(cli("validate", INVALID / "null_document.json", "--json").stdout)
+    assert report[0]["errors"] and report[0]["errors"][0]["path"] == "$"
+    null = tmp_path / "null.json"
+    null.write_text("null")
+    out = cli("import", null)
+    assert out.returncode == 2 and f"{null}: $: the top level must be a JSON object (a DeepSpeed config)" in out.stderr
+    out = cli("validate", INVALID / "lr_infinity.json")
+    assert out.returncode == 2 and "$.optimizer.lr: invalid JSON at line 20, column 11: Infinity" in out.stderr
+    inf = tmp_path / "inf.json"
+    inf.write_text('{"train_batch_size": 8,\n "optimizer": {"type": "Adam", "params": {"lr": NaN}}}')
+    out = cli("import", inf)
+    assert out.returncode == 2 and "$.optimizer.params.lr: invalid JSON at line 2, column 49: NaN" in out.stderr
+
+
+def test_auto_recipe_rules_that_need_no_data_size_run_without_one():
+    out = cli("validate", INVALID / "auto_too_few_micro_batches.json", INVALID / "auto_global_never_valid.json")
+    assert out.returncode == 2 and "ok:" not in out.stdout
+    assert "auto_too_few_micro_batches.json: $.batch: 2 micro-batches per step for 4 pipeline stages" in out.stderr
+    assert "auto_global_never_valid.json: $.batch.global: global 10 is not a multiple of micro 4 x grad_accum 2" \
+        in out.stderr
+
+
+def test_import_plain_deepspeed_optimizers(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+                              "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}))
+    recipe_path = tmp_path / "mine.json"
+    out = cli("import", ds, "--world-size", "8", "-o", recipe_path)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(recipe_path.read_text())["optimizer"] == {
+        "name": "adamw", "lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    again = json.loads(cli("export", recipe_path, "--to", "deepspeed").stdout)
+    assert again["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                              "weight_decay": 0.0}}
+
+
+def test_import_problems_name_the_file(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 16, "optimizer": {"type": "Lamb"}}))
+    out = cli("import", ds, "--world-size", "8")
+    assert out.returncode == 2
+    assert f"{ds}: $.deepspeed.optimizer.type: \"Lamb\" contradicts" in out.stderr, out.stderr
+    assert all(line.startswith(f"{ds}: $") for line in out.stderr.splitlines()), out.stderr
+
+
+def test_summary_says_one_process():
+    out = cli("validate", "cpu_single")
+    assert out.returncode == 0 and "= 1 process;" in out.stdout, out.stdout
