@@ -1,6 +1,7 @@
 """How initialize shards a model and picks its loss: the recipe's tensor_parallel block as two callables.
 
-``apply_tp(model, tp_group) -> model`` shards with the recipe's plan (``"auto"`` picks by model class);
+``apply_tp(model, tp_group, pp_rank=0) -> model`` shards with the recipe's plan (``"auto"`` picks by model
+class); ``pp_rank``, the rank's pipeline stage, offsets the dropout stream of sharded regions per stage;
 ``loss_for(tp_group) -> loss_fn(output, labels)`` is the user's loss, or next-token cross entropy over the
 output's logits: vocab-parallel for the reference GPT, whose head is split by vocabulary. Both are called by a back end once its groups exist.
 """
@@ -15,10 +16,11 @@ def tensor_parallel_hooks(model, recipe, loss_fn: Optional[Callable]) -> tuple[C
     tp_cfg = recipe.tensor_parallel
     plan = tp_cfg.plan if isinstance(tp_cfg.plan, str) else _thaw(tp_cfg.plan)
 
-    def apply_tp(target, tp_group):
+    def apply_tp(target, tp_group, pp_rank: int = 0):
         from .tensor_parallel import apply_tensor_parallel
 
-        return apply_tensor_parallel(target, plan, tp_group, sequence_parallel=tp_cfg.sequence_parallel)
+        return apply_tensor_parallel(target, plan, tp_group, sequence_parallel=tp_cfg.sequence_parallel,
+                                     pp_rank=pp_rank)
 
     def loss_for(tp_group) -> Callable:
         if loss_fn is not None:

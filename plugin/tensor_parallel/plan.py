@@ -47,6 +47,12 @@ log = logging.getLogger("plugin.tensor_parallel")
 STYLES = ("column", "column:K", "column_gather", "row", "vocab", "vocab_gather", "replicate")
 HF_STYLES = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "column_gather",
              "colwise_rep": "column_gather", "packed_colwise": "column:2", "embedding_rowwise": "vocab"}
+# transformers' other style names (4.5x and 5.x), refused as unsupported rather than as unknown
+HF_UNSUPPORTED = frozenset({
+    "replicated_with_grad_allreduce", "local_colwise", "local_rowwise", "local", "local_packed_rowwise", "gather",
+    "isolated", "sequence_parallel", "rowwise_rep", "rowwise_split_input", "packed_rowwise", "embedding_colwise",
+    "all_reduce", "local_params", "grouped_gemm", "ep_router", "ep_dispatch_experts", "moe_tp_experts",
+    "moe_identity_expert", "mla_kv_a_proj"})
 
 
 @dataclass(frozen=True)
@@ -69,8 +75,12 @@ def parse_style(text: str) -> Style:
         return simple[name]
     if isinstance(name, str) and name.startswith("column:") and name[7:].isdigit() and int(name[7:]) >= 1:
         return Style("column", parts=int(name[7:]), text=text)
-    raise ValueError(f"unknown style {text!r}; use one of {', '.join(STYLES)} "
-                     f"(or transformers' {', '.join(HF_STYLES)})")
+    supported = f"supported: {', '.join(STYLES)}, or transformers' {', '.join(HF_STYLES)}"
+    if isinstance(name, str) and name in HF_UNSUPPORTED:
+        raise ValueError(f"unsupported style {text!r}: a transformers tensor-parallel style the plugin does not "
+                         f"implement ({supported}); give the module one of those in an explicit plan, or "
+                         f"'replicate' to leave it whole")
+    raise ValueError(f"unknown style {text!r} ({supported})")
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -215,7 +225,8 @@ def _build(module: nn.Module, style: Style, tp_group, sequence_parallel: bool) -
 
 
 def apply_tensor_parallel(model: nn.Module, plan: Union[str, Mapping[str, str]], tp_group, *,
-                          sequence_parallel: bool = False, seed: Optional[int] = None) -> nn.Module:
+                          sequence_parallel: bool = False, seed: Optional[int] = None,
+                          pp_rank: int = 0) -> nn.Module:
     """Shard ``model`` in place over ``tp_group`` as ``plan`` says, and return it.
 
     Build the model whole with the same seed on every rank of the group first: each rank then keeps its
@@ -223,7 +234,9 @@ def apply_tensor_parallel(model: nn.Module, plan: Union[str, Mapping[str, str]],
     ``tp_group`` None (or a group of one) swaps the layers with no communication at all.
     ``sequence_parallel`` splits norms and dropout along the sequence (models that implement
     ``configure_tensor_parallel``, like the reference GPT). ``seed`` seeds the per-rank dropout stream of
-    sharded regions (default ``torch.initial_seed()``, the same on ranks seeded alike).
+    sharded regions (default ``torch.initial_seed()``, the same on ranks seeded alike); ``pp_rank``, this
+    rank's pipeline stage, offsets that stream as Megatron does (``seed + 100 * pp_rank + 2718 + tp_rank``,
+    see :mod:`.random`), so stages holding different layers draw different masks.
 
     Models may implement ``tensor_parallel_plan()`` (used by "auto"), ``check_tensor_parallel(styles,
     tp_size, sequence_parallel) -> list[str]`` and ``configure_tensor_parallel(ctx)``, called after the swap
@@ -256,7 +269,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Union[str, Mapping[str, str]],
     auto.fix_known_model(model, tp_size)
     configure = getattr(model, "configure_tensor_parallel", None)
     if configure is not None:
-        rng = TensorParallelRNG(torch.initial_seed() if seed is None else seed, tp_rank)
+        rng = TensorParallelRNG(torch.initial_seed() if seed is None else seed, tp_rank, pp_rank)
         configure(TensorParallelContext(tp_group, tp_size, tp_rank, sequence_parallel, rng))
     return model
 

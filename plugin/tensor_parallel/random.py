@@ -9,9 +9,18 @@ Two kinds of region need two kinds of randomness:
   residual stream on this rank's slice of the sequence): each rank holds different numbers, and their
   masks must be independent, or heads on different ranks are dropped in lockstep.
 
-:class:`TensorParallelRNG` keeps the second stream (seeded ``seed + 2718 + tp_rank``, Megatron's offset)
-and :meth:`TensorParallelRNG.fork` swaps it in for the duration of a ``with`` block, leaving the default
-stream exactly where it was. No global state: the object is held by the model that uses it.
+:class:`TensorParallelRNG` keeps the second stream and :meth:`TensorParallelRNG.fork` swaps it in for the
+duration of a ``with`` block, leaving the default stream exactly where it was. No global state: the object
+is held by the model that uses it.
+
+Seeds follow Megatron-LM: its training loop first offsets the common seed by pipeline stage
+(``seed + 100 * pp_rank``, ``_set_random_seed``), then ``model_parallel_cuda_manual_seed`` seeds the
+tensor-parallel stream ``+ 2718 + tp_rank``. So the sharded stream here is
+``seed + 100 * pp_rank + 2718 + tp_rank``: different on every tensor rank and on every pipeline stage (two
+stages hold different layers and must not draw the same masks), equal across data-parallel replicas.
+As in Megatron, streams stay distinct while ``tp_size <= 100``. The pipeline rank is passed in, never looked
+up. (The default stream, for replicated regions, is the caller's: Megatron reseeds it with
+``seed + 100 * pp_rank`` too, after the model is built.)
 """
 from __future__ import annotations
 
@@ -21,6 +30,14 @@ from typing import Iterator, Optional, Union
 import torch
 
 SEED_OFFSET = 2718
+PIPELINE_SEED_STRIDE = 100
+
+
+def sharded_stream_seed(seed: int, tp_rank: int, pp_rank: int = 0) -> int:
+    """The seed of the sharded-region stream: ``seed + 100 * pp_rank + 2718 + tp_rank`` (Megatron's scheme)."""
+    if tp_rank < 0 or pp_rank < 0:
+        raise ValueError(f"tp_rank and pp_rank must be >= 0, got tp_rank={tp_rank}, pp_rank={pp_rank}")
+    return int(seed) + PIPELINE_SEED_STRIDE * int(pp_rank) + SEED_OFFSET + int(tp_rank)
 
 
 def _device_module(device: torch.device):
@@ -43,14 +60,14 @@ def _set_state(device: torch.device, state: torch.Tensor) -> None:
 class TensorParallelRNG:
     """The per-tensor-rank random stream for dropout inside sharded regions.
 
-    ``seed`` must be the same on every rank of the tensor group (``torch.initial_seed()`` after a common
-    ``torch.manual_seed`` is); the stream's seed is ``seed + 2718 + tp_rank``, so tensor ranks differ and
-    a rerun with the same seed repeats. One state is kept per device (CPU, ``cuda:0``...), created on
-    first use.
+    ``seed`` must be the same on every rank (``torch.initial_seed()`` after a common ``torch.manual_seed``
+    is); the stream's seed is :func:`sharded_stream_seed` ``(seed, tp_rank, pp_rank)``, so tensor ranks and
+    pipeline stages differ and a rerun with the same seed repeats. ``pp_rank``: this rank's pipeline stage
+    (0 without pipeline parallelism). One state is kept per device (CPU, ``cuda:0``...), created on first use.
     """
 
-    def __init__(self, seed: int, tp_rank: int):
-        self.seed = int(seed) + SEED_OFFSET + int(tp_rank)
+    def __init__(self, seed: int, tp_rank: int, pp_rank: int = 0):
+        self.seed = sharded_stream_seed(seed, tp_rank, pp_rank)
         self._states: dict[str, torch.Tensor] = {}
 
     def _initial_state(self, device: torch.device) -> torch.Tensor:

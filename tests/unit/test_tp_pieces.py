@@ -126,3 +126,45 @@ def test_build_groups_in_a_one_process_world(one_process_world):
             groups.get_model_parallel_rank()) == (1, 1, 0)
     with pytest.raises(GroupError, match="needs 2 processes but 1 were launched"):
         build_groups(Topology(tp_size=2))
+
+
+def test_sharded_stream_seed_is_megatrons_with_the_pipeline_offset():
+    from plugin.tensor_parallel.random import TensorParallelRNG, sharded_stream_seed
+
+    # Megatron-LM: _set_random_seed adds 100 * pp_rank, model_parallel_cuda_manual_seed adds 2718 + tp_rank
+    assert sharded_stream_seed(1234, tp_rank=1, pp_rank=0) == 1234 + 2718 + 1
+    assert sharded_stream_seed(1234, tp_rank=1, pp_rank=3) == 1234 + 300 + 2718 + 1
+    assert TensorParallelRNG(1234, 1, 3).seed == 1234 + 300 + 2718 + 1
+    with pytest.raises(ValueError, match="pp_rank"):
+        sharded_stream_seed(0, 0, -1)
+
+
+def test_two_pipeline_stages_draw_different_sharded_dropout_masks():
+    from plugin.tensor_parallel.random import TensorParallelRNG
+
+    def masks(pp_rank, tp_rank=0):
+        rng = TensorParallelRNG(42, tp_rank, pp_rank)
+        with rng.fork():
+            return F.dropout(torch.ones(256), 0.5)
+
+    assert not torch.equal(masks(0), masks(1)), "stage 0 and stage 1 must not share dropout masks"
+    assert not torch.equal(masks(0, tp_rank=1), masks(1, tp_rank=1))
+    assert torch.equal(masks(1), masks(1)), "a stage's stream repeats with the same seed"
+
+
+def test_apply_and_the_recipe_hook_pass_the_pipeline_rank_to_the_stream():
+    from types import SimpleNamespace
+
+    from plugin.recipe import TensorParallel
+    from plugin.tensor_parallel import apply_tensor_parallel
+    from plugin.tp_plan import tensor_parallel_hooks
+
+    config = GPTConfig(vocab=50, hidden=16, layers=2, heads=4, seq_len=8)
+    model = apply_tensor_parallel(GPT(config), "auto", None, seed=5, pp_rank=2)
+    assert model.tp.rng.seed == 5 + 200 + 2718 and model.blocks[1].attn.rng is model.tp.rng
+    recipe = SimpleNamespace(tensor_parallel=TensorParallel())
+    apply_tp, _ = tensor_parallel_hooks(GPT(config), recipe, None)
+    torch.manual_seed(9)
+    assert apply_tp(GPT(config), None, pp_rank=1).tp.rng.seed == 9 + 100 + 2718
+    assert apply_tp(GPT(config), None).tp.rng.seed == 9 + 2718
+

@@ -133,3 +133,63 @@ def test_without_a_group_the_gpt_computes_the_same(sequence_parallel):
     torch.testing.assert_close(gpt_loss(split(tokens), tokens), gpt_loss(whole(tokens), tokens), rtol=1e-6, atol=0)
     assert set(dict(split.named_parameters())) == set(dict(whole.named_parameters())), "same names"
     assert padding_report(split) == {}
+
+
+def test_transformers_styles_the_plugin_lacks_are_unsupported_not_unknown():
+    with pytest.raises(ValueError) as info:
+        parse_style("replicated_with_grad_allreduce")
+    text = str(info.value)
+    assert text.startswith("unsupported style 'replicated_with_grad_allreduce'") and "supported: column" in text
+    assert "'replicate' to leave it whole" in text
+    with pytest.raises(ValueError, match=r"unsupported style 'local_colwise': .*supported: column, column:K"):
+        parse_style("local_colwise")
+    with pytest.raises(ValueError, match=r"^unknown style 'diagonal' \(supported: "):
+        parse_style("diagonal")
+    text = problems_of(mlp(), {"0": "local_rowwise"}, 2)
+    assert "plan entry '0': unsupported style 'local_rowwise'" in text
+
+
+class _Base(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(30, 8)
+        self.layers = nn.ModuleList(nn.ModuleDict({"up": nn.Linear(8, 16), "down": nn.Linear(16, 8)})
+                                    for _ in range(2))
+
+
+class _TransformersLike(nn.Module):
+    """What auto reads from a transformers model without ``_tp_plan``: ``config.base_model_tp_plan``, whose
+    names are relative to ``base_model`` (found under ``base_model_prefix``)."""
+
+    base_model_prefix = "model"
+
+    def __init__(self):
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.model = _Base()
+        self.lm_head = nn.Linear(8, 30, bias=False)
+        self.config = SimpleNamespace(model_type="tiny", vocab_size=30, base_model_tp_plan={
+            "embed_tokens": "embedding_rowwise", "layers.*.up": "colwise", "layers.*.down": "rowwise"})
+
+    @property
+    def base_model(self):
+        return self.model
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+
+def test_auto_falls_back_to_the_configs_base_model_tp_plan_under_the_prefix():
+    torch.manual_seed(0)
+    model = _TransformersLike()
+    assert getattr(model, "_tp_plan", None) is None
+    styles = resolve_plan(model, "auto", 2)
+    assert {n: s.kind for n, s in styles.items()} == {
+        "model.embed_tokens": "vocab", "model.layers.0.up": "column", "model.layers.1.up": "column",
+        "model.layers.0.down": "row", "model.layers.1.down": "row"}
+    # the fallback has no head entry: an embedding tied to the (whole) head must stay whole too
+    model.lm_head.weight = model.model.embed_tokens.weight
+    styles = resolve_plan(model, "auto", 2)
+    assert "model.embed_tokens" not in styles and "lm_head" not in styles
+    assert set(styles) == {"model.layers.0.up", "model.layers.1.up", "model.layers.0.down", "model.layers.1.down"}
