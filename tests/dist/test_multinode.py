@@ -5,27 +5,44 @@ One layout per launcher, each with a group that crosses the two "nodes": torchru
 pipeline's two stages sit on different nodes), accelerate launch runs cpu_dp4 at ZeRO-0 (Accelerate's own
 DDP engine where deepspeed is missing), deepspeed (``--no_ssh`` with a generated hostfile) runs cpu_tp2_dp2.
 torchrun and accelerate run where deepspeed is not installed (launch.sh's own choice there), deepspeed where it is.
+Each run must name the back end and layout it trained (train.py's summary), and both the one-node and the
+two-node losses must equal one plain python process's (cpu_single, the parity suites' reference).
 """
 import importlib.util
 import math
+import re
 import subprocess
 import sys
 import time
 
 import pytest
 
+from .needs import need
 from .ports import free_port
-from .runs import ROOT, Run, cpu_env, recipe_variant
+from .runs import ROOT, Run, cpu_env, recipe_variant, train
 
 pytestmark = [pytest.mark.dist, pytest.mark.native]
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 STEPS, RTOL, TIMEOUT = 3, 1e-4, 240
-CASES = {  # launcher -> (base recipe, replaced blocks)
-    "torchrun": ("cpu_pp2_dp2", {}),
-    "accelerate": ("cpu_dp4", {"zero": {"stage": 0}}),
-    "deepspeed": ("cpu_tp2_dp2", {}),
+CASES = {  # launcher -> (base recipe, replaced blocks, the back end that trains, its layout in the summary)
+    "torchrun": ("cpu_pp2_dp2", {}, "native", "data 2 x tensor 1 x pipeline 2"),
+    "accelerate": ("cpu_dp4", {"zero": {"stage": 0}}, "accelerate", "data 4 x tensor 1 x pipeline 1"),
+    "deepspeed": ("cpu_tp2_dp2", {}, "deepspeed", "data 2 x tensor 2 x pipeline 1"),
 }
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """cpu_single, one plain python process: what every layout must give."""
+    run = train("cpu_single", 1, tmp_path_factory.mktemp("reference"), launcher="python", steps=STEPS)
+    assert sorted(run.losses) == list(range(1, STEPS + 1)), run.log()
+    return run.losses
+
+
+def summary_layout(run: Run) -> str:
+    found = re.search(r"^trained \S+ with \w+: (data \d+ x tensor \d+ x pipeline \d+),", run.stderr, re.M)
+    return found.group(1) if found else ""
 
 
 def launch_sh(launcher, recipe, tmp, tag, *node_args):
@@ -47,19 +64,23 @@ def finish(cmd, metrics, proc, start) -> Run:
 
 
 @pytest.mark.parametrize("launcher", list(CASES))
-def test_two_nodes_equal_one_node_of_four(launcher, tmp_path):
+def test_two_nodes_equal_one_node_of_four(launcher, reference, tmp_path):
     if launcher == "deepspeed" and not HAS_DEEPSPEED:
         pytest.skip("deepspeed is not installed")
     if launcher != "deepspeed" and HAS_DEEPSPEED:
         pytest.skip("runs where deepspeed is not installed (.ci/run's second venv), as the native suite does")
     if launcher == "accelerate":
-        pytest.importorskip("accelerate")
-    base, blocks = CASES[launcher]
+        need("accelerate")
+    base, blocks, backend, layout = CASES[launcher]
     recipe = recipe_variant(base, tmp_path, f"{base}_{launcher}", **blocks)
 
     start = time.perf_counter()
     one = finish(*launch_sh(launcher, recipe, tmp_path, "one", "--nproc", "4"), start)
     assert one.returncode == 0, one.log()
+    assert (one.backend, summary_layout(one)) == (backend, layout), one.log()
+    for step in range(1, STEPS + 1):
+        assert math.isclose(one.losses[step], reference[step], rel_tol=RTOL), \
+            f"step {step}: one node {one.losses[step]!r} != one process {reference[step]!r}\n{one.log()}"
 
     master = f"127.0.0.1:{free_port()}"
     start = time.perf_counter()
@@ -70,6 +91,8 @@ def test_two_nodes_equal_one_node_of_four(launcher, tmp_path):
         assert run.returncode == 0, run.log()
     two = runs[0]  # global rank 0 lives on node 0 and writes the metrics
     assert sorted(two.losses) == list(range(1, STEPS + 1)), two.log() + runs[1].log()
+    assert (two.backend, summary_layout(two)) == (backend, layout), two.log()
+    assert not runs[1].backend, "rank 0 alone (on node 0) prints the summary\n" + runs[1].log()
     for step in range(1, STEPS + 1):
         assert math.isclose(two.losses[step], one.losses[step], rel_tol=RTOL), \
             f"step {step}: two nodes {two.losses[step]!r} != one node {one.losses[step]!r}\n{two.log()}"
