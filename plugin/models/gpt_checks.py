@@ -2,7 +2,7 @@
 
 A plan is a list of module styles; the GPT adds what only it knows: attention splits by whole
 key/value groups, a column layer must feed a row layer inside each block (or both stay whole), sequence
-parallelism needs all four of a block's linears split, and the head must be split by vocabulary so
+parallelism needs all four of a block's linears split (and the position embedding whole), and the head must be split by vocabulary so
 that ``gpt_loss(logits, targets, tp_group)`` always receives vocabulary-split logits under TP.
 """
 from __future__ import annotations
@@ -48,6 +48,9 @@ def check_gpt_plan(config, styles: Mapping[str, object], tp: int, sequence_paral
     if head not in ("vocab", "column"):
         problems.append(f"GPT head is {head!r}; under tensor parallelism split it by vocabulary (style "
                         f"'vocab'), which gpt_loss(logits, targets, tp_group) expects")
+    if sequence_parallel and "pos_embed" in styles:
+        problems.append(f"GPT pos_embed is {_kind(styles['pos_embed'])!r}; under sequence parallelism leave it "
+                        f"whole ('replicate'): its rows are added inside the embedding's reduce-scatter")
     if sequence_parallel and config.seq_len % tp:
         problems.append(f"GPT: sequence parallelism splits the sequence, but seq_len {config.seq_len} is not "
                         f"divisible by tensor size {tp}; use a multiple of {tp}")

@@ -4,7 +4,7 @@
     model = apply_tensor_parallel(model, "auto", groups.tensor_group, sequence_parallel=False)
 
 Modules: :mod:`.comm` (f/g and the sequence-parallel collectives), :mod:`.layers` (column, row and
-vocabulary-split layers), :mod:`.fused` (the column matmul with its overlapped backward collective),
+vocabulary-split linears), :mod:`.embedding` (the vocabulary-split embedding), :mod:`.fused` (the column matmul with its overlapped backward collective),
 :mod:`.cross_entropy`, :mod:`.random` (dropout streams), :mod:`.plan`
 (``apply_tensor_parallel``), :mod:`.auto` (the "auto" plans), :mod:`.sharding` (slicing math),
 :mod:`.state` (whole tensors back from the shards).

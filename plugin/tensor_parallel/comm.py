@@ -273,7 +273,9 @@ def allreduce_grads_in_backward(tensors: Sequence[torch.Tensor], group) -> tuple
     sees only this rank's ``1/p`` of the tokens, so its gradient on rank ``r`` is a partial sum.
     forward ``y_i = t_i`` for each tensor; backward ``dt_i = sum_q dy_{i,q}``, with one all-reduce for the
     whole list. The result is every rank holding the full, identical gradient, inside autograd, whatever
-    engine (ZeRO, pipeline, gradient accumulation) consumes it afterwards.
+    engine (ZeRO, pipeline, gradient accumulation) consumes it afterwards. Megatron-LM instead sums such
+    gradients once per step after backward; that would come too late for engines that reduce gradients
+    from hooks during backward (DeepSpeed ZeRO-2/3), so the plugin pays one small all-reduce per call.
     """
     tensors = tuple(tensors)
     if group_size(group) == 1 or not tensors:

@@ -1,4 +1,6 @@
-"""Megatron's tensor-parallel layers: column- and row-split linears, and a vocabulary-split embedding/head.
+"""Megatron's tensor-parallel layers: column- and row-split linears, and a vocabulary-split head.
+
+(The vocabulary-split embedding lives in :mod:`.embedding` and is re-exported here.)
 
 For ``Y = X A^T + b`` with ``A`` of shape ``[out, in]``:
 
@@ -31,6 +33,7 @@ from torch import nn
 
 from .comm import (allreduce_grads_in_backward, gather_from_tensor_region, group_rank, group_size,
                    reduce_from_tensor_region, reduce_scatter_to_sequence_region, scatter_to_tensor_region)
+from .embedding import VocabParallelEmbedding
 from .errors import TensorParallelError
 from .fused import column_linear
 from .sharding import mark_sharded, padded_size, shard, shard_range
@@ -220,54 +223,5 @@ class RowParallelLinear(_ParallelLinear):
         return y if bias is None else y + bias
 
 
-class VocabParallelEmbedding(nn.Module):
-    """An embedding split by vocabulary rows, padded to a multiple of ``p`` (``padding`` rows of zeros).
-
-    Rank ``r`` looks up the ids in its range ``[vocab_start, vocab_end)``, writes zeros for the others,
-    and the sum over the group (``g``) gives every rank the whole, replicated embedding.
-    """
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_group, *, padding_idx: Optional[int] = None,
-                 device=None, dtype=None):
-        super().__init__()
-        whole = nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx, device=device, dtype=dtype)
-        self._shard_from(whole.weight, tp_group, padding_idx)
-
-    @classmethod
-    def from_embedding(cls, module: nn.Embedding, tp_group) -> "VocabParallelEmbedding":
-        """This rank's rows of an existing ``nn.Embedding``; the module itself is left as is."""
-        unsupported = [n for n in ("max_norm", "sparse", "scale_grad_by_freq") if getattr(module, n)]
-        if unsupported:
-            raise TensorParallelError(f"VocabParallelEmbedding: nn.Embedding option(s) {unsupported} are not "
-                                      f"supported; leave this embedding whole (style 'replicate')")
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer._shard_from(module.weight, tp_group, module.padding_idx)
-        return layer
-
-    def _shard_from(self, weight, tp_group, padding_idx) -> None:
-        self.tp_group = tp_group
-        self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
-        self.num_embeddings, self.embedding_dim = weight.shape
-        self.padded_num_embeddings = padded_size(self.num_embeddings, self.tp_size)
-        self.padding = self.padded_num_embeddings - self.num_embeddings
-        start, end = shard_range(self.padded_num_embeddings, self.tp_size, self.tp_rank)
-        self.vocab_start, self.vocab_end = start, end
-        self.padding_idx = padding_idx
-        self.local_padding_idx = padding_idx - start if padding_idx is not None and start <= padding_idx < end \
-            else None
-        self.weight = mark_sharded(_param(shard(weight, 0, self.tp_size, self.tp_rank, pad=True),
-                                          weight.requires_grad), 0, padding=self.padding)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return F.embedding(ids, self.weight, self.local_padding_idx)
-        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
-        local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight, self.local_padding_idx)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_region(out, self.tp_group)
-
-    def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_size}, "
-                f"local_rows=[{self.vocab_start}, {self.vocab_end}), padding={self.padding}")
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelLinear", "VocabParallelEmbedding",
+           "linear_weights"]

@@ -8,7 +8,8 @@ style:
 ``column:K``    the same for an output of ``K`` packed parts (GPT-2's fused ``[q | k | v]`` is ``column:3``)
 ``column_gather`` ``nn.Linear`` -> :class:`ColumnParallelLinear` that all-gathers its output
 ``row``         ``nn.Linear`` -> :class:`RowParallelLinear` (input split by the ``column`` before it)
-``vocab``       ``nn.Embedding`` -> :class:`VocabParallelEmbedding`; ``nn.Linear`` (a head) ->
+``vocab``       ``nn.Embedding`` -> :class:`VocabParallelEmbedding` (under sequence parallelism its
+                sequence-parallel form: ``[seq/p, batch, hidden]`` out); ``nn.Linear`` (a head) ->
                 :class:`VocabParallelLinear`, vocabulary-split logits for :func:`vocab_parallel_cross_entropy`
 ``vocab_gather`` ``nn.Linear`` head -> :class:`VocabParallelLinear` returning whole ``[..., vocab]`` logits
 ``replicate``   left whole (the default for modules no glob names)
@@ -219,7 +220,7 @@ def _build(module: nn.Module, style: Style, tp_group, sequence_parallel: bool) -
     if style.kind == "row":
         return RowParallelLinear.from_linear(module, tp_group, sequence_parallel=sequence_parallel)
     if isinstance(module, nn.Embedding):
-        return VocabParallelEmbedding.from_embedding(module, tp_group)
+        return VocabParallelEmbedding.from_embedding(module, tp_group, sequence_parallel=sequence_parallel)
     return VocabParallelLinear.from_linear(module, tp_group, gather_output=style.gather_output,
                                            sequence_parallel=sequence_parallel)
 

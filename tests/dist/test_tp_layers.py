@@ -73,6 +73,42 @@ def check_collectives(group):
     close(a.grad, total_dy[0], "grad all-reduce a"); close(b.grad, total_dy[1, 0], "grad all-reduce b")
 
 
+class Collectives:
+    """Records ``(name, numel)`` of every torch.distributed collective called while active (outermost only)."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base",
+             "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "all_to_all_single")
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.calls, self.saved, self.depth = [], {}, 0
+        for name in self.NAMES:
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            self.saved[name] = fn
+
+            def wrapper(*args, _fn=fn, _name=name, **kwargs):
+                if self.depth == 0:
+                    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                    self.calls.append((_name, tensors[0].numel() if tensors else 0))
+                self.depth += 1
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    self.depth -= 1
+
+            setattr(dist, name, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
 def check_linears(group):
     from plugin.tensor_parallel import ColumnParallelLinear, RowParallelLinear, full_tensor
 
@@ -133,6 +169,7 @@ def check_sequence_parallel_linears(group):
     close(xs.grad, chunk(xr.grad, 0, group), "SP input grad")
     close(full_tensor(col.weight.grad, col.weight, group), fc1.weight.grad, "SP column dW")
     close(full_tensor(row.weight.grad, row.weight, group), fc2.weight.grad, "SP row dW")
+    close(full_tensor(col.bias.grad, col.bias, group), fc1.bias.grad, "SP column bias grad (split, whole sequence)")
     close(row.bias.grad, fc2.bias.grad, "SP row bias grad (replicated, summed over the sequence slices)")
 
 
@@ -160,6 +197,16 @@ def check_vocab(group):
     loss = vocab_parallel_cross_entropy(logits, targets, group)
     loss.backward()
     close(loss, loss_ref, "vocab-parallel cross-entropy")
+    # its documented cost: an all-reduce of the max and one of [sum exp | target logit], [tokens] floats each;
+    # nothing in backward, and never a gather of the [tokens, vocab] logits
+    alone = logits.detach().requires_grad_(True)
+    with Collectives() as forward:
+        again = vocab_parallel_cross_entropy(alone, targets, group)
+    with Collectives() as backward:
+        again.backward()
+    tokens = targets.numel()
+    assert forward.calls == [("all_reduce", tokens), ("all_reduce", 2 * tokens)], forward.calls
+    assert backward.calls == [], backward.calls
     close(full_tensor(pe.weight.grad, pe.weight, group), emb.weight.grad, "embedding dW (padding dropped)")
     close(full_tensor(ph.weight.grad, ph.weight, group), head.weight.grad, "head dW")
     close(full_tensor(ph.bias.grad, ph.bias, group), head.bias.grad, "head db")
@@ -177,6 +224,40 @@ def check_vocab(group):
     close(got, ref, "cross-entropy with vocab_size mask")
     full_grad = torch.cat([lr.grad, torch.zeros(3, 7, 1)], dim=-1)
     close(ls.grad, chunk(full_grad, -1, group), "cross-entropy logits grad")
+
+
+def check_sequence_parallel_embedding(group):
+    """The reduce-scatter form of the vocabulary-split embedding, with and without positions, against
+    nn.Embedding: this rank's [seq/p, batch, hidden] slice, the table's and the positions' gradients."""
+    import torch.distributed as dist
+    from plugin.tensor_parallel import VocabParallelEmbedding, full_tensor
+
+    p = dist.get_world_size(group)
+    seeded(8)
+    vocab, seq = 4 * p - 1, 8
+    emb, pos = nn.Embedding(vocab, 6, padding_idx=1), nn.Embedding(seq, 6)
+    ids = torch.randint(0, vocab, (3, seq))
+    dy = torch.randn(seq, 3, 6)  # [seq, batch, hidden], the same on every rank
+    split = VocabParallelEmbedding.from_embedding(emb, group, sequence_parallel=True)
+    for with_positions in (False, True):
+        emb.zero_grad(); pos.zero_grad(); split.zero_grad()
+        positions = pos(torch.arange(seq))
+        ref = emb(ids).transpose(0, 1) + (positions.unsqueeze(1) if with_positions else 0)
+        ref.backward(dy)
+        local_positions = pos(torch.arange(seq))  # a fresh graph for the split model's own backward
+        y = split(ids, position_embeddings=local_positions if with_positions else None)
+        what = f"SP embedding positions={with_positions}"
+        close(y, chunk(ref.detach(), 0, group), f"{what} output (this rank's sequence slice)")
+        assert y.shape == (seq // p, 3, 6), y.shape
+        pos_grad_ref = pos.weight.grad.clone() if with_positions else None
+        pos.zero_grad()
+        y.backward(chunk(dy, 0, group))
+        close(full_tensor(split.weight.grad, split.weight, group), emb.weight.grad, f"{what} dW (padding dropped)")
+        if with_positions:
+            close(pos.weight.grad, pos_grad_ref, f"{what} position dW (whole, on every rank)")
+            copies = [torch.empty_like(pos.weight.grad) for _ in range(p)]
+            dist.all_gather(copies, pos.weight.grad, group=group)
+            assert all(torch.equal(copies[0], c) for c in copies[1:]), "replicated position gradient differs"
 
 
 def check_rng(group):
@@ -231,6 +312,7 @@ def layers_worker(rank, world_size):
         check_linears(g)
         check_sequence_parallel_linears(g)
         check_vocab(g)
+        check_sequence_parallel_embedding(g)
         check_rng(g)
         check_sequential_plan(g)
     return "ok"

@@ -168,3 +168,29 @@ def test_apply_and_the_recipe_hook_pass_the_pipeline_rank_to_the_stream():
     assert apply_tp(GPT(config), None, pp_rank=1).tp.rng.seed == 9 + 100 + 2718
     assert apply_tp(GPT(config), None).tp.rng.seed == 9 + 2718
 
+
+def test_sequence_parallel_embedding_of_one_rank_is_the_transposed_sum_with_positions():
+    from plugin.tensor_parallel import VocabParallelEmbedding
+
+    torch.manual_seed(0)
+    emb, pos = torch.nn.Embedding(11, 4), torch.nn.Embedding(6, 4)
+    ids = torch.randint(0, 11, (3, 6))
+    split = VocabParallelEmbedding.from_embedding(emb, None, sequence_parallel=True)
+    positions = pos(torch.arange(6))
+    torch.testing.assert_close(split(ids, position_embeddings=positions),
+                               (emb(ids) + positions).transpose(0, 1), rtol=0, atol=0)
+    torch.testing.assert_close(split(ids), emb(ids).transpose(0, 1), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"position_embeddings must be \[seq, hidden\] = \[6, 4\]"):
+        split(ids, position_embeddings=positions[:5])
+    with pytest.raises(ValueError, match=r"takes token ids \[batch, seq\]"):
+        split(ids[0])
+
+
+def test_gpt_under_sequence_parallelism_keeps_its_position_embedding_whole():
+    from plugin.tensor_parallel import TensorParallelError, resolve_plan
+
+    model = GPT(GPTConfig(vocab=50, hidden=16, layers=1, heads=4, seq_len=8))
+    plan = dict(model.tensor_parallel_plan(), pos_embed="vocab")
+    with pytest.raises(TensorParallelError, match="GPT pos_embed is 'vocab'; under sequence parallelism leave it whole"):
+        resolve_plan(model, plan, 2, sequence_parallel=True)
+    assert "pos_embed" in resolve_plan(model, plan, 2, sequence_parallel=False)
