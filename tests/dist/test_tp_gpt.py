@@ -1,6 +1,7 @@
 """The reference GPT sharded at tp=2 and tp=4, with and without sequence parallelism, against tp=1.
 
-Same loss and the same (gathered) gradients at each of 3 AdamW steps; replicated parameters' gradients
+Same loss and the same (gathered) gradients at each of 3 optimizer steps (SGD with momentum, see below), for
+untied and tied embeddings; replicated parameters' gradients
 identical on every tensor rank; the pipeline layer list composes to the model. One launch of 4 gloo
 processes: tp=4 is the whole world, tp=2 runs on two pairs.
 
@@ -74,17 +75,43 @@ def train_and_compare(group, config, sequence_parallel, steps=3):
 
 def check_dropout_regions(group, config):
     """With dropout on and no sequence parallelism, the residual stream stays identical on all tensor
-    ranks (replicated region), while the attention dropout inside the split heads differs."""
+    ranks (replicated region: torch's default stream, seeded alike), while the attention dropout inside
+    the split heads draws different masks on different ranks (each rank's own stream).
+
+    To see the masks, every rank gets the same heads (the qkv rows of every rank's shard copied from rank
+    0's before sharding): without dropout the ranks' attention outputs are then equal (checked), so with
+    dropout they can differ only by their masks."""
     from plugin.tensor_parallel import apply_tensor_parallel
 
-    model = apply_tensor_parallel(make(config), "auto", group).train()
+    p = dist.get_world_size(group)
+    whole = make(config)
+    with torch.no_grad():
+        for block in whole.blocks:
+            for t in (block.attn.qkv.weight, block.attn.qkv.bias):
+                shards = t.view(p, t.shape[0] // p, *t.shape[1:])
+                shards[1:] = shards[0].clone()
+    model = apply_tensor_parallel(whole, "auto", group)
+    seen = []
+    hook = model.blocks[0].attn.proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach()))
     tokens = torch.randint(0, config.vocab, (2, config.seq_len), generator=torch.Generator().manual_seed(3))
+    model.eval()(tokens)
+    model.train()
     layers = model.to_layers()
     x = tokens
     for layer in layers[:-1]:
         x = layer(x)
-    copies = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(copies, x.detach().contiguous(), group=group)
+    hook.remove()
+
+    def gathered(t):
+        copies = [torch.empty_like(t) for _ in range(p)]
+        dist.all_gather(copies, t.contiguous(), group=group)
+        return copies
+
+    plain, dropped = gathered(seen[0]), gathered(seen[1])
+    assert all(torch.equal(plain[0], c) for c in plain[1:]), "same heads without dropout must agree (the control)"
+    assert all(not torch.equal(dropped[i], dropped[j]) for i in range(p) for j in range(i)), \
+        "attention dropout masks inside the split heads must differ across tensor ranks"
+    copies = gathered(x.detach())
     assert all(torch.equal(copies[0], c) for c in copies[1:]), "residual stream differs across tensor ranks"
 
 
