@@ -1,5 +1,9 @@
-"""transformers GPT-2 and Llama (tiny configs, random weights, no downloads) sharded by the "auto" plan at
-tp=2: the same loss (the models' own ``labels=`` loss) and gathered gradients as unsharded, over 3 steps.
+"""transformers GPT-2 and Llama (tiny configs, random weights, no downloads) sharded by the "auto" plan: the
+same loss (the models' own ``labels=`` loss) and gathered gradients as unsharded, over 3 steps.
+
+One launch of 4 gloo processes: at tp=2 the two pairs share the work (GPT-2 and untied Llama on ranks 0-1,
+tied Llama on ranks 2-3), then GPT-2 (n_head 4) at tp=4 on all of them. Llama's 2 key/value heads cannot
+be split over 4 ranks, so it stays at tp=2.
 
 The optimizer is SGD with momentum: Adam divides each gradient by its own magnitude, so float noise in
 a near-zero gradient element (1e-9 against 1e-9) becomes a visible weight difference after one step,
@@ -36,18 +40,21 @@ def build(kind, seed=0, **overrides):
 def train_and_compare(group, kind, steps=3, **overrides):
     from plugin.tensor_parallel import apply_tensor_parallel, full_state_dict, padding_report
     from plugin.tensor_parallel.layers import ColumnParallelLinear
+    from plugin.tensor_parallel.sharding import padded_size
 
     ref = build(kind, **overrides)
     tp = apply_tensor_parallel(build(kind, **overrides), "auto", group)
     split = [n for n, m in tp.named_modules() if isinstance(m, ColumnParallelLinear)]
     assert split, f"{kind}: the auto plan split nothing"
+    p = dist.get_world_size(group)
     if kind == "gpt2":
-        assert padding_report(tp) == {"transformer.wte": 1, "lm_head": 1}, padding_report(tp)
+        padding = padded_size(ref.config.vocab_size, p) - ref.config.vocab_size  # 101 -> 1 at tp=2, 3 at tp=4
+        assert padding_report(tp) == {"transformer.wte": padding, "lm_head": padding}, padding_report(tp)
         assert tp.lm_head.weight is tp.transformer.wte.weight, "the tied head must stay tied"
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
     opt_tp = torch.optim.SGD(tp.parameters(), lr=0.5, momentum=0.9)
     data = torch.Generator().manual_seed(5)
-    what = f"{kind} {overrides}"
+    what = f"{kind} tp={p} {overrides}"
     # GPT-2's Conv1D stores [in, out]; the parallel layers store [out, in] like nn.Linear
     still_conv1d = {f"{n}.weight" for n, m in tp.named_modules() if type(m).__name__ == "Conv1D"}
     transposed = {f"{n}.weight" for n, m in ref.named_modules() if type(m).__name__ == "Conv1D"} - still_conv1d
@@ -70,13 +77,20 @@ def train_and_compare(group, kind, steps=3, **overrides):
 def hf_worker(rank, world_size):
     import logging
 
+    from plugin.groups import build_groups
+    from plugin.topology import Topology
+
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    group = dist.group.WORLD
-    train_and_compare(group, "gpt2")
-    train_and_compare(group, "llama", tie_word_embeddings=False)
-    train_and_compare(group, "llama", tie_word_embeddings=True)
+    pairs = build_groups(Topology(dp_size=2, tp_size=2))
+    whole = build_groups(Topology(tp_size=4))
+    if pairs.dp_rank == 0:
+        train_and_compare(pairs.tensor_group, "gpt2")
+        train_and_compare(pairs.tensor_group, "llama", tie_word_embeddings=False)
+    else:
+        train_and_compare(pairs.tensor_group, "llama", tie_word_embeddings=True)
+    train_and_compare(whole.tensor_group, "gpt2")
     return "ok"
 
 
 def test_transformers_gpt2_and_llama_auto_plans_match_unsharded():
-    assert run(hf_worker, 2) == ["ok"] * 2
+    assert run(hf_worker, 4) == ["ok"] * 4
