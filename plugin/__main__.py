@@ -36,7 +36,9 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits 2 on usage errors; 2 means "invalid recipe" here
         return 0 if e.code == 0 else 1
-    return int(args.run(args) or 0)
+    from .cli.common import run_command
+
+    return run_command(args)
 
 
 if __name__ == "__main__":

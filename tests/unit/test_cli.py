@@ -164,6 +164,20 @@ def test_a_recipe_error_escaping_a_command_is_printed_not_raised(capsys):
     assert capsys.readouterr().err == "r.json: $.x: broken -> fix it\n"
 
 
+def test_main_prints_a_recipe_error_a_command_lets_escape(capsys, monkeypatch):
+    """``python -m plugin``'s main runs every command through run_command: no traceback, exit 2."""
+    import plugin.__main__ as entry
+    import plugin.cli.validate
+    from plugin.errors import Problem, RecipeError
+
+    def run(args):
+        raise RecipeError([Problem("$.x", "m", "h", file="f")])
+
+    monkeypatch.setattr(plugin.cli.validate, "run", run)
+    assert entry.main(["validate", "x"]) == 2
+    assert capsys.readouterr().err == "f: $.x: m -> h\n"
+
+
 def test_integral_floats_are_rejected_by_every_command():
     path = INVALID / "integral_floats.json"
     for args in (("validate", path), ("show", path), ("export", path, "--to", "deepspeed")):
