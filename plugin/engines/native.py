@@ -11,7 +11,7 @@ How each ZeRO stage maps (over the data-parallel group of :func:`plugin.groups.b
   gradients (reduce-scattered at every micro-batch) and optimizer states are sharded; the parameters are
   gathered once per step and stay gathered through all its micro-batches (``set_reshard_after_backward``
   off until the last backward), as DeepSpeed's stage 2 keeps them whole; between steps FSDP2 keeps only
-  its shard of them.
+  its shard of them (``eval_step`` reshards what its forward gathered).
 * ZeRO-3: FSDP2 ``fully_shard(reshard_after_forward=True)``: parameters are re-gathered for backward.
 * CPU offload (``offload_optimizer`` / ``offload_param`` "cpu", stage 2/3): FSDP2's ``CPUOffloadPolicy``
   (sharded parameters, gradients and the optimizer step on the CPU). nvme offload is DeepSpeed's only.
@@ -123,12 +123,26 @@ class DataParallelEngine(NativeEngine):
 
     @torch.no_grad()
     def eval_step(self, batch) -> float:
+        """The loss without a backward. At ZeRO-2 (``reshard_after_forward=False``) FSDP2 would keep the
+        parameters a forward gathered until some backward resharded them, so every unit is resharded here:
+        between steps each rank holds its shard only, evaluated or not."""
         self.wrapped.eval()
         losses = []
         for inputs, labels in self.micro_batches(batch):
             with self.autocast():
                 losses.append(self.loss_fn(self.wrapped(inputs), labels).detach().float())
+        if self.data_sharded:
+            reshard_all(self.wrapped)
         return self.mean_over_data(torch.stack(losses).mean())
+
+
+def reshard_all(module: torch.nn.Module) -> None:
+    """Free the gathered parameters of every FSDP2 unit in ``module`` (each keeps its shard)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def native_optimizer(module, recipe, groups, zero1: bool):

@@ -7,9 +7,14 @@ processes (``plugin.initialize(..., backend="native")``, so it runs with or with
   to the single-process norm;
 * bf16 (autocast with DDP / pipeline stages, MixedPrecisionPolicy with FSDP2) and fp16 (the same plus
   ShardedGradScaler): 3 steps that track the fp32 losses (bf16 within 1%, fp16 within 0.5%);
-* activation checkpointing with dropout under tensor and sequence parallelism: the same losses as without;
-* what each rank holds (``state_bytes``): ZeRO-1 a quarter of the optimizer states, ZeRO-3 a quarter of
-  everything, against ZeRO-0's whole copy.
+* activation checkpointing with dropout under tensor and sequence parallelism: the same losses as without,
+  and other losses than with dropout 0 (so dropout really drew masks);
+* what each rank holds (``state_bytes``), taken inside the second step's optimizer step (gradients and Adam's
+  moments both exist; after the step the gradients are freed): ZeRO-1 a quarter of the optimizer states,
+  ZeRO-2 also a quarter of the gradients (and, between backward and step, of the parameters), ZeRO-3 a
+  quarter of everything, against ZeRO-0's whole copy;
+* after an evaluation at ZeRO-2 and ZeRO-3 every FSDP2 parameter is back to its shard (a DTensor): forward
+  without backward would otherwise leave the gathered parameters on every rank until the next step.
 
 Each rank computes the single-process reference itself: the same GPT, AdamW groups, micro-batch loop and
 ``clip_grad_norm_`` (torch's formula is DeepSpeed's).
@@ -77,7 +82,28 @@ def _reference(recipe):
     return losses, norms[0]
 
 
-def _train(recipe):
+def _measure_in_next_step(engine) -> dict:
+    """``engine.state_bytes()`` taken inside the next optimizer step (the innermost torch optimizer's ``step``:
+    ZeroRedundancyOptimizer's local one at ZeRO-1), when gradients and optimizer states both exist."""
+    inner, found = getattr(engine.optimizer, "optim", engine.optimizer), {}
+    original = inner.step
+
+    def step(*args, **kwargs):
+        found.update(engine.state_bytes())
+        inner.step = original
+        return original(*args, **kwargs)
+
+    inner.step = step
+    return found
+
+
+def _all_sharded(engine) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return all(isinstance(p, DTensor) for p in engine.wrapped.parameters())
+
+
+def _train(recipe, measure=False):
     import plugin
     from plugin.data import TextBatches
     from plugin.models.gpt import GPT, GPTConfig
@@ -85,12 +111,17 @@ def _train(recipe):
     torch.manual_seed(0)
     engine = plugin.initialize(GPT(GPTConfig.from_recipe_model(recipe.model)), recipe, backend="native")
     data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
-    losses, norm = [], None
+    losses, norm, held, sharded_after_eval = [], None, None, None
     for step in range(STEPS):
+        if measure and step == 1:
+            held = _measure_in_next_step(engine)
         losses.append(engine.train_step(data.global_batch(step, engine.layout.global_batch)))
         norm = norm if norm is not None else engine.last_grad_norm
         if step == 0:  # an evaluation between steps must leave training exactly as it was
             engine.eval_step(data.global_batch(0, engine.layout.global_batch, split="eval"))
+            sharded_after_eval = _all_sharded(engine) if engine.data_sharded else None
+    if measure:
+        return held, sharded_after_eval
     return engine, losses, norm
 
 
@@ -98,11 +129,11 @@ def _run_all(rank, world_size):
     out = {}
     references = {}
     dropout = {"layers": 4, "hidden": 64, "heads": 4, "ffn_hidden": 256, "vocab": 128, "seq_len": 64, "dropout": 0.1}
-    for interval in (0, 1):  # tensor-parallel dropout streams replayed under activation checkpointing
+    for interval, p in ((0, 0.1), (1, 0.1), (0, 0.0)):  # tensor-parallel dropout streams replayed when checkpointed
         pp = {"schedule": "1f1b", "partition": "uniform", "activation_checkpoint_interval": interval}
-        recipe = _recipe("cpu_tp2_pp2", {"model": dropout, "pipeline_parallel": pp,
+        recipe = _recipe("cpu_tp2_pp2", {"model": {**dropout, "dropout": p}, "pipeline_parallel": pp,
                                          "tensor_parallel": {"sequence_parallel": True}})
-        out[f"dropout_checkpoint_{interval}"] = _train(recipe)[1]
+        out[f"dropout_{p}_checkpoint_{interval}"] = _train(recipe)[1]
     for name, (base, blocks) in FP32.items():
         recipe = _recipe(base, blocks)
         _, losses, norm = _train(recipe)
@@ -112,10 +143,9 @@ def _run_all(rank, world_size):
             references[base] = _reference(_recipe(base, {}))
         _, losses, _ = _train(_recipe(base, blocks, precision))
         out[name] = (losses, None, references[base])
-    for stage in (0, 1, 3):
-        recipe = _recipe("cpu_dp4", {"zero": {"stage": stage}})
-        engine, _, _ = _train(recipe)
-        out[f"bytes_zero{stage}"] = engine.state_bytes()
+    for stage in (0, 1, 2, 3):
+        out[f"bytes_zero{stage}"], out[f"sharded_after_eval_zero{stage}"] = \
+            _train(_recipe("cpu_dp4", {"zero": {"stage": stage}}), measure=True)
     return out
 
 
@@ -144,15 +174,27 @@ def test_low_precision_tracks_fp32(name, results):
 
 
 def test_activation_checkpointing_replays_dropout(results):
-    """tp2 x pp2 with sequence parallelism and dropout 0.1: checkpointed layers recompute the same masks."""
+    """tp2 x pp2 with sequence parallelism and dropout 0.1: checkpointed layers recompute the same masks, and
+    those masks are real (the losses differ from dropout 0's by far more than rounding)."""
     for rank, out in enumerate(results):
-        assert out["dropout_checkpoint_1"] == out["dropout_checkpoint_0"], f"rank {rank}"
+        assert out["dropout_0.1_checkpoint_1"] == out["dropout_0.1_checkpoint_0"], f"rank {rank}"
+        assert out["dropout_0.1_checkpoint_0"] != pytest.approx(out["dropout_0.0_checkpoint_0"], rel=1e-3), \
+            f"rank {rank}: dropout 0.1 trains like dropout 0: no mask was drawn"
 
 
 def test_zero_stages_hold_their_share(results):
+    """Inside an optimizer step: what DeepSpeed's stages shard, the native stages shard (4 data ranks)."""
     for rank, out in enumerate(results):
-        whole, zero1, zero3 = out["bytes_zero0"], out["bytes_zero1"], out["bytes_zero3"]
-        assert zero1["parameters"] == whole["parameters"], rank
+        whole, zero1, zero2, zero3 = (out[f"bytes_zero{stage}"] for stage in range(4))
+        assert whole["gradients"] == whole["parameters"] > 0, (rank, whole)  # fp32 gradients exist in the step
+        assert zero1["parameters"] == zero1["gradients"] == whole["parameters"], (rank, zero1)
         assert zero1["optimizer_states"] == pytest.approx(whole["optimizer_states"] / 4, rel=0.15), rank
-        for kind in ("parameters", "optimizer_states"):
+        for kind in ("gradients", "optimizer_states", "parameters"):  # FSDP2 resharded after the last backward
+            assert zero2[kind] == pytest.approx(whole[kind] / 4, rel=0.05), (rank, kind, zero2, whole)
             assert zero3[kind] == pytest.approx(whole[kind] / 4, rel=0.05), (rank, kind, zero3, whole)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_evaluation_leaves_fsdp2_parameters_sharded(stage, results):
+    for rank, out in enumerate(results):
+        assert out[f"sharded_after_eval_zero{stage}"] is True, f"rank {rank}: gathered parameters left after eval"
