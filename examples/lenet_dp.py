@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     test_x, test_y = images[split:], labels[split:]
     with torch.no_grad():
         engine.module.eval()
-        correct = (engine.module(test_x.to(engine.device)).argmax(1).cpu() == test_y).float().mean().item()
+        logits = engine.module(engine.to_inputs(test_x))  # on the engine's device, in its compute dtype
+        correct = (logits.argmax(1).cpu() == test_y).float().mean().item()
     if engine.is_main:
         print(f"{source}: {engine.backend} over {engine.layout.data} process(es), held-out accuracy {correct:.1%}")
     engine.close()

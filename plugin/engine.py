@@ -40,6 +40,20 @@ def _device(env):
     return torch.device("cpu")
 
 
+def as_module(model):
+    """``model`` as one ``nn.Module`` for every back end: a list or tuple of layers becomes an ``nn.Sequential``
+    of the same layer objects (what a pipeline cuts, and what one stage runs whole at pipeline 1)."""
+    import torch
+
+    if isinstance(model, (list, tuple)):
+        if not all(isinstance(layer, torch.nn.Module) for layer in model):
+            kinds = sorted({type(layer).__name__ for layer in model if not isinstance(layer, torch.nn.Module)})
+            raise PluginError(f"initialize got a list of layers holding {', '.join(kinds)} -> every layer must be "
+                              "an nn.Module")
+        return torch.nn.Sequential(*model)
+    return model
+
+
 def layers_of(model) -> list:
     """The model as an ordered list of layers, for pipeline stages."""
     import torch
@@ -75,7 +89,8 @@ def initialize(model, recipe: Union[Recipe, str, Path], *, loss_fn: Optional[Cal
     """Shard ``model`` per ``recipe`` and wrap it in the chosen back end's :class:`~plugin.engines.base.Engine`.
 
     ``model``: an ``nn.Module`` built whole, with the same seed, on every rank (the plugin shards it); for
-    pipelines an ordered list of layers, an ``nn.Sequential`` or a model with ``to_layers()``.
+    pipelines an ordered list of layers, an ``nn.Sequential`` or a model with ``to_layers()``. A list or
+    tuple is wrapped in an ``nn.Sequential`` first (:func:`as_module`), whatever the layout and back end.
     ``loss_fn(output, labels)``: defaults to next-token cross entropy, vocab-parallel when the head is sharded.
     ``world_size``: the world the caller expects; it must equal the launcher's WORLD_SIZE.
     ``backend``: "deepspeed", "accelerate" or "native" to override :func:`choose_backend`.
@@ -89,6 +104,7 @@ def initialize(model, recipe: Union[Recipe, str, Path], *, loss_fn: Optional[Cal
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
     check_launch(recipe, env)
+    model = as_module(model)
     problems = check_model(model, recipe)
     if any(p.is_error for p in problems):
         _fail([p for p in problems if p.is_error], env)

@@ -20,6 +20,9 @@ class Engine(abc.ABC):
     """A model sharded per a recipe, with its optimizer, ready to train."""
 
     backend: str = "?"
+    # The dtype floating inputs must have on entering the module: None keeps them as given (fp32, or autocast
+    # in the back end); a back end that casts the model itself to bf16/fp16 (DeepSpeed) sets it.
+    input_dtype: Optional[torch.dtype] = None
 
     def __init__(self, recipe, layout, topology, groups, module: torch.nn.Module, device: torch.device):
         self.recipe = recipe
@@ -74,8 +77,17 @@ class Engine(abc.ABC):
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def to_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
+        """``inputs`` as the module takes them: on the engine's device, and a floating tensor in
+        :attr:`input_dtype` when the back end set one (integer token ids are left as they are)."""
+        inputs = inputs.to(self.device, non_blocking=True)
+        if self.input_dtype is not None and inputs.is_floating_point():
+            inputs = inputs.to(self.input_dtype)
+        return inputs
+
     def local_batch(self, batch):
-        """This data rank's share of ``batch`` (given whole, or already split), on the engine's device."""
+        """This data rank's share of ``batch`` (given whole, or already split), on the engine's device, its
+        inputs as the module takes them (:meth:`to_inputs`); labels keep their dtype."""
         rows = batch[0].shape[0]
         local_rows = self.layout.micro_batch * self.layout.grad_accum
         if rows == self.layout.global_batch and rows != local_rows:
@@ -84,7 +96,8 @@ class Engine(abc.ABC):
             raise ValueError(f"train_step got {rows} rows; expected the global batch ({self.layout.global_batch}) "
                              f"or this rank's share (micro {self.layout.micro_batch} x grad_accum "
                              f"{self.layout.grad_accum} = {local_rows})")
-        return tuple(t.to(self.device, non_blocking=True) for t in batch)
+        inputs, *rest = batch
+        return (self.to_inputs(inputs), *(t.to(self.device, non_blocking=True) for t in rest))
 
     def micro_batches(self, batch) -> list:
         return micro_batches(self.local_batch(batch), self.layout.grad_accum)

@@ -8,8 +8,14 @@ Megatron-style layers for tensor parallelism, all from one exported ds_config.
   Its grid is the only grid: the tensor groups are taken from it (``get_slice_parallel_group``), and the
   model is sharded after the module has cut its stage, inside the same layer objects.
 
+Before any process group exists, a weight tied across two stages is refused by name
+(:mod:`plugin.engines.pipeline_checks`): the PipelineModule would train two copies of it apart.
+
 Optimizer: DeepSpeed's compiled FusedAdam / CPUAdam only on CUDA where its op builds; otherwise (CPU, sgd)
 the recipe's torch.optim optimizer, with ``zero_force_ds_cpu_optimizer`` off so ZeRO-Offload accepts it.
+
+Precision: under bf16 / fp16 DeepSpeed casts the model itself, so floating inputs are cast to that dtype
+as they enter (:attr:`~plugin.engines.base.Engine.input_dtype`); integer token ids and labels are not.
 """
 from __future__ import annotations
 
@@ -124,11 +130,15 @@ def release_shm_buffer(rank: int) -> None:
         pass
 
 
+_MODEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # what DeepSpeed casts the module to
+
+
 class DeepSpeedEngine(Engine):
     backend = "deepspeed"
 
     def __init__(self, recipe, layout, topology, groups, ds_engine, loss_fn: Callable, device, pipelined: bool):
         super().__init__(recipe, layout, topology, groups, ds_engine.module, device)
+        self.input_dtype = _MODEL_DTYPES.get(recipe.precision)
         self.ds = ds_engine
         self.loss_fn = loss_fn
         self.pipelined = pipelined
@@ -191,8 +201,14 @@ class DeepSpeedEngine(Engine):
 
 def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callable, apply_tp: Callable,
           loss_for: Callable) -> DeepSpeedEngine:
-    """Wrap ``model`` per ``recipe``: ``apply_tp(model, tp_group)`` shards it, ``layers_of(model)`` lists its
-    layers for a pipeline, ``loss_for(tp_group)`` gives the loss function."""
+    """Wrap ``model`` (an ``nn.Module``) per ``recipe``: ``apply_tp(model, tp_group)`` shards it,
+    ``layers_of(model)`` lists its layers for a pipeline, ``loss_for(tp_group)`` gives the loss function."""
+    if layout.pipeline > 1:  # before any process group: every rank refuses alike, nothing hangs
+        from .pipeline_checks import check_shared_across_stages, cut_layers
+
+        whole = layers_of(model)
+        check_shared_across_stages(whole, cut_layers(whole, recipe.pipeline_parallel.partition, layout.pipeline),
+                                   "DeepSpeed's PipelineModule")
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
     # DeepSpeed 0.19 still calls torch's deprecated all_gather_into_tensor: one warning per rank, nothing to act on
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning)
@@ -204,8 +220,7 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
     topology = Topology(layout.pipeline, layout.data, layout.tensor)
     use_ds_opt = _deepspeed_optimizer_builds(recipe, device)
-    modules = model if isinstance(model, (list, tuple)) else [model]
-    numels = tuple(p.numel() for m in modules for p in m.parameters())
+    numels = tuple(p.numel() for p in model.parameters())
     config = engine_config(recipe, env.world_size, use_ds_optimizer=use_ds_opt, numels=numels)
 
     if layout.pipeline > 1:

@@ -61,3 +61,51 @@ def test_layers_of():
     assert len(layers_of(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))) == 2
     with pytest.raises(PluginError, match="ordered list of layers"):
         layers_of(torch.nn.Linear(2, 2))
+
+
+def test_a_list_of_layers_is_one_module_for_every_back_end():
+    from plugin.engine import as_module
+
+    layers = [torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1)]
+    for given in (layers, tuple(layers)):
+        module = as_module(given)
+        assert isinstance(module, torch.nn.Sequential) and all(a is b for a, b in zip(module, layers))
+        assert module.to(torch.device("cpu")) is module  # what a back end does with it at pipeline 1
+        assert layers_of(module) == layers  # and a pipeline cuts the very same layer objects
+    model = torch.nn.Linear(2, 2)
+    assert as_module(model) is model
+    with pytest.raises(PluginError, match="holding function -> every layer must be an nn.Module"):
+        as_module([torch.nn.Linear(2, 2), lambda x: x])
+
+
+def test_initialize_wraps_a_list_before_the_back_end_sees_it(launched_as):
+    """The wrap is initialize's own (before the back end is chosen); a layer list that cannot be one module is
+    refused before any process group."""
+    launched_as(4)
+    with pytest.raises(PluginError, match="every layer must be an nn.Module"):
+        plugin.initialize([torch.nn.Linear(2, 2), lambda x: x], "cpu_dp4")
+    assert not torch.distributed.is_initialized()
+
+
+def test_shared_parameters_across_stages_are_named():
+    from plugin.engines.pipeline_checks import cut_layers, shared_across_stages
+
+    embed, mid, head = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 8, bias=False)
+    head.weight = embed.weight
+    layers = [embed, mid, head]
+    assert shared_across_stages(layers, [0, 2, 3]) == ["Linear (layer 2).weight"]
+    assert shared_across_stages(layers, [0, 3]) == []  # one stage holds both: still tied
+    assert cut_layers(layers, "uniform", 2) == [0, 2, 3]
+
+
+def test_a_weight_tied_across_stages_is_refused_before_any_group(launched_as, monkeypatch):
+    """DeepSpeed's PipelineModule, given plain modules, would keep one copy of the tied embedding/head per stage
+    and train them apart without a word."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # the back end would set it for the rest of the session
+    launched_as(4)
+    recipe = load_recipe("cpu_pp2_dp2")
+    model = GPT(GPTConfig.from_recipe_model(recipe.model, tie_embeddings=True))
+    with pytest.raises(PluginError, match=r"shared by layers on different pipeline stages: .*head.*weight; "
+                                          r"DeepSpeed's PipelineModule would train two copies apart"):
+        plugin.initialize(model, recipe, backend="deepspeed")
+    assert not torch.distributed.is_initialized()
