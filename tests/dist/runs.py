@@ -49,8 +49,9 @@ def release_deepspeed_shm(port: str) -> None:
 
 
 def train(recipe, nproc: int, tmp: Path, *, launcher: str = "deepspeed", steps: int = 10, extra=(),
-          timeout: int = 600, expect_ok: bool = True, env=None) -> "Run":
-    metrics = tmp / f"metrics-{time.monotonic_ns()}.jsonl"
+          timeout: int = 600, expect_ok: bool = True, env=None, every_rank: bool = False) -> "Run":
+    """Run train.py; ``every_rank``: each rank writes its own metrics (``--metrics ...-{rank}.jsonl``)."""
+    metrics = tmp / f"metrics-{time.monotonic_ns()}{'-{rank}' if every_rank else ''}.jsonl"
     cmd = launcher_argv(launcher, nproc) + [str(ROOT / "train.py"), "--recipe", str(recipe), "--steps", str(steps),
                                             "--metrics", str(metrics), *map(str, extra)]
     if env is None:
@@ -70,17 +71,24 @@ def train(recipe, nproc: int, tmp: Path, *, launcher: str = "deepspeed", steps: 
 class Run:
     def __init__(self, cmd, returncode, stdout, stderr, seconds, metrics: Path):
         self.cmd, self.returncode, self.stdout, self.stderr = cmd, returncode, stdout, stderr
-        self.seconds, self.metrics_path = seconds, metrics
+        self.seconds, self.metrics_path = seconds, metrics  # a path with {rank} in it: one file per rank
+
+    def records_of(self, rank: int) -> list[dict]:
+        path = Path(str(self.metrics_path).replace("{rank}", str(rank)))
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     @property
     def records(self) -> list[dict]:
-        if not self.metrics_path.exists():
-            return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        return self.records_of(0)
 
     @property
     def losses(self) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in self.records}
+
+    def losses_of(self, rank: int) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in self.records_of(rank)}
 
     @property
     def backend(self) -> str:
@@ -113,8 +121,7 @@ PARITY_LAYOUTS = {
     "cpu_dp4_zero0": ("cpu_dp4", {"zero": {"stage": 0}}),
     "cpu_dp4_zero1": ("cpu_dp4", {}),
     "cpu_dp4_zero2": ("cpu_dp4", {"zero": {"stage": 2}}),
-    "cpu_dp4_zero3": ("cpu_dp4", {"zero": {"stage": 3}}),
-    "cpu_zero3_dp4": ("cpu_zero3_dp4", {}),
+    "cpu_zero3_dp4": ("cpu_zero3_dp4", {}),  # the shipped recipe: cpu_dp4 at ZeRO-3
     "cpu_tp2_dp2": ("cpu_tp2_dp2", {}),
     "cpu_pp2_dp2": ("cpu_pp2_dp2", {}),
     "cpu_pp2_dp2_zero0": ("cpu_pp2_dp2", {"zero": {"stage": 0}}),  # DeepSpeed's non-ZeRO clipping path
