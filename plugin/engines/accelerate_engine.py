@@ -13,17 +13,20 @@ The Accelerator is fed from the recipe, not from the launch flags:
   (:func:`plugin.engines.deepspeed.engine_config`) with the recipe's torch optimizer. On CPU this needs
   ``InitProcessGroupKwargs(backend="gloo")`` and ``cpu=False`` with ``ACCELERATE_USE_CPU`` cleared in this
   process (Accelerate otherwise drops the plugin and runs plain DDP, silently).
-* ``"fsdp"`` (ZeRO-2/3 on CUDA without deepspeed or transformers): ``FullyShardedDataParallelPlugin(fsdp_version=2)``,
-  ``reshard_after_forward`` for ZeRO-3, CPU offload from the recipe, each transformer layer class wrapped.
+* ``"fsdp"`` (ZeRO-2/3 on CUDA without deepspeed or transformers):
+  ``FullyShardedDataParallelPlugin(fsdp_version=2)``, ``reshard_after_forward`` for ZeRO-3, CPU offload from
+  the recipe, each transformer layer class wrapped.
 
-After the Accelerator exists, its distributed type and process count are asserted against the launch
-(Accelerate's silent traps exit 0 with unsynchronised copies). Checkpoints are ``save_state`` /
-``load_state`` (model, optimizer, RNG states, scaler) with the step and client_state registered on them.
+Rank 0 prints which of these carries the recipe, and why. After the Accelerator exists, its distributed type
+and process count are asserted against the launch (Accelerate's silent traps exit 0 with unsynchronised
+copies). Checkpoints are ``save_state`` / ``load_state`` (model, optimizer, RNG states, scaler) with the
+step and client_state registered on them.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from typing import Callable, Optional
 
 import torch
@@ -184,6 +187,8 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     if mode is None:
         fix = "pip install transformers, or " if "transformers is not installed" in why else ""
         raise PluginError(f"Accelerate cannot carry this recipe: {why} -> {fix}let initialize choose the back end")
+    if env.is_main:
+        print(f"{recipe.source or recipe.name}: note: accelerate launch: {why}", file=sys.stderr, flush=True)
     acc = Accelerator(mixed_precision=_MIXED[recipe.precision], gradient_accumulation_steps=layout.grad_accum,
                       **_plugins(mode, recipe, env.world_size, cuda, model, layers_of))
     _check_accelerator(acc, mode, env.world_size)

@@ -95,21 +95,30 @@ def expected_backend(name: str, launcher: str) -> str:
     return "native"
 
 
+def assert_backend(run, name: str, launcher: str) -> None:
+    """The back end train.py's summary names, and under Accelerate the note saying which of its modes trains."""
+    want = expected_backend(name, launcher)
+    assert run.backend == want, run.log()
+    if want == "accelerate":
+        mode = "DistributedDataParallel" if "zero0" in name else "DeepSpeed plugin"
+        assert "note: accelerate launch: ZeRO-" in run.stderr and f"Accelerate's {mode}" in run.stderr, run.log()
+
+
 def split_run(name, recipe, launchers, reference, tmp_path):
     """Steps 1-5 and --save under launchers[0], --resume and steps 6-10 under launchers[1]."""
     ckpt = tmp_path / "ckpt"
     first = train(recipe, 4, tmp_path, launcher=launchers[0], steps=SAVE_AT, extra=["--save", ckpt], timeout=TIMEOUT)
-    assert first.backend == expected_backend(name, launchers[0]), first.log()
+    assert_backend(first, name, launchers[0])
     assert_same_losses(first, reference, range(1, SAVE_AT + 1))
     second = train(recipe, 4, tmp_path, launcher=launchers[1], steps=STEPS, extra=["--resume", ckpt], timeout=TIMEOUT)
-    assert second.backend == expected_backend(name, launchers[1]), second.log()
+    assert_backend(second, name, launchers[1])
     assert sorted(second.losses) == list(range(SAVE_AT + 1, STEPS + 1)), second.log()
     assert_same_losses(second, reference, range(SAVE_AT + 1, STEPS + 1))
 
 
 def whole_run(name, recipe, launcher, reference, tmp_path):
     run = train(recipe, 4, tmp_path, launcher=launcher, steps=STEPS, timeout=TIMEOUT)
-    assert run.backend == expected_backend(name, launcher), run.log()
+    assert_backend(run, name, launcher)
     assert_same_losses(run, reference, range(1, STEPS + 1))
 
 
