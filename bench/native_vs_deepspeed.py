@@ -5,12 +5,25 @@ engines are built in the same processes from the same seed (``plugin.initialize(
 stepped in turn on the same batches; the table shows the median step time of each and the ratio
 native / DeepSpeed.
 
-Bytes: parameters, gradients and optimizer states one rank holds (``plugin.engines.memory.held_bytes``, which
-counts each storage once), taken inside an optimizer step, when gradients and Adam's moments both exist:
-the innermost torch optimizer's ``step`` is wrapped on one step after warm-up (DeepSpeed calls it on its fp32
-partitions, ZeroRedundancyOptimizer on its shard, FSDP2 on the DTensor shards). The larger over the 4 ranks.
+Bytes: parameters, gradients, optimizer states and "other" (what fits none of these: DeepSpeed's gradient
+reduction bucket, say) one rank holds (``plugin.engines.memory.held_bytes``, which counts each storage once),
+taken inside an optimizer step, when gradients and Adam's moments both exist: the innermost torch
+optimizer's ``step`` is wrapped on one step after warm-up (DeepSpeed calls it on its fp32 partitions,
+ZeroRedundancyOptimizer on its shard, FSDP2 on the DTensor shards). The larger over the 4 ranks. Tensors
+held outside the engine's module and optimizer (activations, DDP's own buckets, FSDP2's gathered copies)
+are not in these bytes.
 
-Usage: python bench/native_vs_deepspeed.py [--steps 20]   (it relaunches itself under torchrun, 4 processes)
+Peak RSS growth (``--rss``, on by default): what the table's bytes leave out, measured per process. Each
+(recipe, back end) runs alone in its own torchrun launch of 4 processes (in the shared launch above both
+engines live in one process, so their peaks cannot be told apart): torch, deepspeed and the model are
+imported and built first, then ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (the process's high-water
+resident set, KiB on Linux) is read before ``initialize`` and after WARMUP + 2 steps. The difference is how
+far the peak resident memory rose for the engine, its process groups and its training steps (parameters,
+gradients, optimizer states, buckets, activations, allocator slack), the larger over the 4 ranks. It is an
+upper-bound-ish figure for host RAM, not tensor bytes: glibc keeps freed memory, and shared pages (a
+/dev/shm buffer) count in every process that touched them.
+
+Usage: python bench/native_vs_deepspeed.py [--steps 20] [--no-rss]   (relaunches itself under torchrun)
 """
 from __future__ import annotations
 
@@ -28,7 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CASES = [("cpu_dp4", 0), ("cpu_dp4", 1), ("cpu_dp4", 2), ("cpu_dp4", 3), ("cpu_tp2_dp2", None),
          ("cpu_pp2_dp2", None), ("cpu_tp2_pp2", None)]
-KINDS = ("parameters", "gradients", "optimizer_states")
+KINDS = ("parameters", "gradients", "optimizer_states", "other")
+BACKENDS = ("deepspeed", "native")
 WARMUP = 3
 
 
@@ -82,7 +96,7 @@ def worker(steps: int) -> None:
     for name, stage in CASES:
         recipe = recipe_for(name, stage)
         engines = {}
-        for backend in ("deepspeed", "native"):
+        for backend in BACKENDS:
             torch.manual_seed(0)
             engines[backend] = plugin.initialize(GPT(GPTConfig.from_recipe_model(recipe.model)), recipe,
                                                  backend=backend)
@@ -109,37 +123,95 @@ def worker(steps: int) -> None:
                      "same_losses": all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(*losses.values()))})
     if dist.get_rank() == 0:
         print("BENCH " + json.dumps(rows), flush=True)
-    engines["native"].close()
+    for engine in engines.values():  # DeepSpeed's close releases its shm buffer, then tears the groups down
+        engine.close()
+
+
+def rss_worker(case: int, backend: str) -> None:
+    """One (recipe, back end) alone: how far this process's peak RSS rises over initialize and WARMUP + 2 steps."""
+    import importlib.util
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    import plugin
+    from plugin.data import TextBatches
+    from plugin.models.gpt import GPT, GPTConfig
+
+    if importlib.util.find_spec("deepspeed"):
+        import deepspeed  # noqa: F401  (imported before the baseline by both back ends alike)
+    name, stage = CASES[case]
+    recipe = recipe_for(name, stage)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_recipe_model(recipe.model))
+    data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
+    batches = [data.global_batch(step, recipe.layout(4).global_batch) for step in range(WARMUP + 2)]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    engine = plugin.initialize(model, recipe, backend=backend)
+    for batch in batches:
+        engine.train_step(batch)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, grown)
+    if dist.get_rank() == 0:
+        print("RSS " + json.dumps({"case": case, "backend": backend, "kib": max(gathered)}), flush=True)
+    engine.close()
+
+
+def launch(args: list[str]) -> list[str]:
+    """Run this file under torchrun (4 processes) with ``args``; its stdout lines."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", __file__, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if out.returncode:
+        sys.exit(f"benchmark failed ({out.returncode}): {' '.join(args)}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return out.stdout.splitlines()
+
+
+def tagged(lines: list[str], tag: str) -> list:
+    return [json.loads(line[len(tag) + 1:]) for line in lines if line.startswith(tag + " ")]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS launches (one per recipe and engine)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rss-case", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--rss-backend", choices=BACKENDS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rss_backend:
+        return rss_worker(args.rss_case, args.rss_backend)
     if args.worker:
         return worker(args.steps)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", __file__,
-           "--worker", "--steps", str(args.steps)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("BENCH ")]
-    if out.returncode or not lines:
-        sys.exit(f"benchmark failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    rows = json.loads(lines[-1][6:])
+    found = tagged(launch(["--worker", "--steps", str(args.steps)]), "BENCH")
+    if not found:
+        sys.exit("benchmark printed no BENCH line")
+    rows = found[-1]
+    rss = {}
+    if not args.no_rss:
+        for case in range(len(CASES)):
+            for backend in BACKENDS:
+                for r in tagged(launch(["--rss-case", str(case), "--rss-backend", backend]), "RSS"):
+                    rss[r["case"], r["backend"]] = r["kib"] * 1024
     print(f"\nNative back end against the DeepSpeed engine: median of {args.steps} alternating steps, "
-          "4 CPU processes (gloo); bytes one rank holds inside an optimizer step (the larger over ranks)\n")
+          "4 CPU processes (gloo); bytes one rank holds inside an optimizer step (the larger over ranks); "
+          f"peak RSS growth over initialize + {WARMUP + 2} steps, each engine alone (the larger over ranks)\n")
+    columns = ["params", "grads", "optim states", "other", "total"] + ([] if args.no_rss else ["peak RSS +"])
     head = f"{'recipe':<20}{'DS ms':>8}{'native ms':>11}{'ratio':>7}"
-    for kind in ("params", "grads", "optim states", "total"):
-        head += f"{kind + ' DS':>16}{'native':>10}{'ratio':>7}"
+    for kind in columns:
+        head += f"{kind + ' DS':>16}{'native':>12}{'ratio':>7}"
     print(head + "  same losses")
-    for r in rows:
+    for i, r in enumerate(rows):
         ds, nat = r["held"]["deepspeed"], r["held"]["native"]
         line = f"{r['case']:<20}{r['ms']['deepspeed']:>8.1f}{r['ms']['native']:>11.1f}" \
                f"{r['ms']['native'] / r['ms']['deepspeed']:>7.2f}"
         pairs = [(ds[k], nat[k]) for k in KINDS] + [(sum(ds.values()), sum(nat.values()))]
+        if not args.no_rss:
+            pairs.append((rss[i, "deepspeed"], rss[i, "native"]))
         for a, b in pairs:
-            line += f"{a:>16,}{b:>10,}{(b / a if a else float('nan')):>7.2f}"
+            line += f"{a:>16,}{b:>12,}{(b / a if a else float('nan')):>7.2f}"
         print(line + f"  {'yes' if r['same_losses'] else 'NO'}")
 
 
