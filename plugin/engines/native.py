@@ -168,7 +168,9 @@ def why_not_accelerate(recipe, environ: Mapping[str, str], cuda: bool) -> Option
         return None
     mode, why = accelerate_mode(recipe, cuda=cuda, has_deepspeed=importable("deepspeed"),
                                 has_transformers=importable("transformers"))
-    return None if mode else f"{recipe.source or recipe.name}: note: accelerate launch: the native back end trains ({why})"
+    if mode:
+        return None
+    return f"{recipe.source or recipe.name}: note: accelerate launch: the native back end trains ({why})"
 
 
 def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callable, apply_tp: Callable,
