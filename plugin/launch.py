@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import re
 import shlex
 import shutil
 import socket
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .hostfile import HostfileError, read_hostfile
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RECIPE = "cpu_dp4"
@@ -106,38 +106,6 @@ def check_train_script(recipe) -> list:
                     file=str(recipe.source))]
 
 
-_HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")  # deepspeed.launcher.runner._parse_hostfile's pattern
-
-
-def read_hostfile(path: str) -> dict[str, int]:
-    """``{host: slots}`` of a DeepSpeed hostfile, parsed as DeepSpeed's runner parses it: one ``HOST slots=N``
-    per line, blank lines and lines starting with ``#`` ignored; a bad line, a repeated host or no host at
-    all is an error (:class:`LaunchError`) naming the file and line."""
-    try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise LaunchError(f"{path}: cannot read the hostfile ({reason}) -> give a readable DeepSpeed hostfile, "
-                          "one 'HOST slots=N' per line")
-    hosts: dict[str, int] = {}
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        found = _HOST_LINE.search(line)
-        if not found:
-            raise LaunchError(f"{path}: line {number}: {line!r} is not a host entry -> write 'HOST slots=N' "
-                              "(e.g. 'worker-1 slots=8'), or start a comment with #")
-        host, slots = found.group(1), int(found.group(2))
-        if host in hosts:
-            raise LaunchError(f"{path}: line {number}: host {host!r} is listed twice -> list each host once, "
-                              "with all its slots")
-        hosts[host] = slots
-    if not hosts:
-        raise LaunchError(f"{path}: the hostfile lists no host -> write one 'HOST slots=N' line per node")
-    return hosts
-
-
 def plan_world(recipe, req: "Request", machine: Machine) -> World:
     """How many processes the launch starts, per node and in all.
 
@@ -148,7 +116,10 @@ def plan_world(recipe, req: "Request", machine: Machine) -> World:
     if not req.hostfile:
         nproc = processes_per_node(recipe, req, machine)
         return World(nproc, req.nodes, nproc * req.nodes)
-    hosts = read_hostfile(req.hostfile)
+    try:
+        hosts = read_hostfile(req.hostfile)
+    except HostfileError as e:
+        raise LaunchError(str(e)) from None
     nodes = len(hosts)
     if req.nproc is not None:
         per, why = req.nproc, f"--nproc {req.nproc}"

@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 
 from plugin.checks import load_recipe
+from plugin.hostfile import HostfileError, read_hostfile
 from plugin.launch import LaunchError, Machine, Request, build_command, main, parse, pick_launcher, \
-    processes_per_node, read_hostfile
+    processes_per_node
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_ALL = Machine(gpus=0, cpus=2, has_deepspeed=True, has_accelerate=True, python="/venv/bin/python")
@@ -108,9 +109,9 @@ def test_hostfile_is_read_as_deepspeed_reads_it(tmp_path):
     for bad, why in [("worker-1\n", "line 1: 'worker-1' is not a host entry"),
                      ("a slots=1\n# c\na slots=2\n", "line 3: host 'a' is listed twice"),
                      ("# nothing\n\n", "lists no host")]:
-        with pytest.raises(LaunchError, match=why):
+        with pytest.raises(HostfileError, match=why):
             read_hostfile(_hostfile(tmp_path, bad))
-    with pytest.raises(LaunchError, match="missing: cannot read the hostfile"):
+    with pytest.raises(HostfileError, match="missing: cannot read the hostfile"):
         read_hostfile(str(tmp_path / "missing"))
 
 
