@@ -28,7 +28,8 @@ def choose_backend(recipe: Recipe, device_type: Optional[str] = None) -> str:
 
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     return choose(recipe, environ=os.environ,
-                  has_deepspeed=importlib.util.find_spec("deepspeed") is not None, cuda=device_type == "cuda")
+                  has_deepspeed=importlib.util.find_spec("deepspeed") is not None, cuda=device_type == "cuda",
+                  has_transformers=importlib.util.find_spec("transformers") is not None)
 
 
 def _device(env):
