@@ -182,6 +182,10 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     note = why_not_accelerate(recipe, os.environ, device.type == "cuda") if env.is_main else None
     if note:
         print(note, file=sys.stderr, flush=True)
+    if layout.pipeline > 1:
+        from .native_pipeline import check_stage_cuts
+
+        check_stage_cuts(model, recipe, layout, layers_of)
     init_process_group(device)
     topology = Topology(layout.pipeline, layout.data, layout.tensor)
     groups = build_groups(topology)

@@ -33,8 +33,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import PluginError
-from ..pipeline import stage_bounds, stages_of_rank
+from ..pipeline import stages_of_rank
+from ..tensor_parallel.random import offset_default_stream_by_stage
+from .pipeline_checks import check_shared_across_stages, cut_layers
 from .native import native_optimizer, tensor_sharded_names
 from .native_common import NativeEngine, build_scaler, tensor_parallel_rngs
 
@@ -98,15 +99,19 @@ def _replay_tensor_parallel_rngs(rngs):
 _SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
 
-def _shared_across_stages(layers, bounds) -> list[str]:
-    owner: dict[int, int] = {}
-    clashes = []
-    for s in range(len(bounds) - 1):
-        for i in range(bounds[s], bounds[s + 1]):
-            for name, p in layers[i].named_parameters():
-                if owner.setdefault(id(p), s) != s:
-                    clashes.append(f"{type(layers[i]).__name__} (layer {i}).{name}")
-    return clashes
+def _virtual_stages(recipe) -> int:
+    pp_cfg = recipe.pipeline_parallel
+    return pp_cfg.virtual_stages if pp_cfg.schedule == "interleaved_1f1b" else 1
+
+
+def check_stage_cuts(model, recipe, layout, layers_of: Callable) -> list[int]:
+    """The stage boundaries of ``model``'s layers (``pipeline x virtual_stages`` stages, counted before tensor
+    sharding, as DeepSpeed counts them); a weight two stages would hold is refused by name. Pure of process
+    groups, so the back end calls it before it creates any: every rank refuses alike, nothing hangs."""
+    whole = layers_of(model)
+    bounds = cut_layers(whole, recipe.pipeline_parallel.partition, layout.pipeline * _virtual_stages(recipe))
+    check_shared_across_stages(whole, bounds, "torch.distributed.pipelining")
+    return bounds
 
 
 class PipelineEngine(NativeEngine):
@@ -162,18 +167,12 @@ def build_pipeline(model, recipe, layout, topology, groups, *, device, layers_of
     from torch.distributed import pipelining
 
     pp_cfg = recipe.pipeline_parallel
-    virtual = pp_cfg.virtual_stages if pp_cfg.schedule == "interleaved_1f1b" else 1
+    virtual = _virtual_stages(recipe)
     num_stages = layout.pipeline * virtual
-    whole = layers_of(model)  # counted before tensor sharding, as DeepSpeed counts them
-    counts = [sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in whole]
-    bounds = stage_bounds(pp_cfg.partition, [type(layer).__name__ for layer in whole], counts, num_stages)
-    clashes = _shared_across_stages(whole, bounds)
-    if clashes:
-        raise PluginError(f"parameters shared by layers on different pipeline stages: {', '.join(clashes[:4])}; "
-                          "torch.distributed.pipelining would train two copies apart -> untie them (for the "
-                          "reference GPT: tie_embeddings false), or use a partition that keeps them together")
+    bounds = check_stage_cuts(model, recipe, layout, layers_of)  # build() checked them before any group
     if layout.tensor > 1:
-        apply_tp(model, groups.get_tensor_model_parallel_group())
+        apply_tp(model, groups.get_tensor_model_parallel_group(), pp_rank=groups.pp_rank)
+    offset_default_stream_by_stage(groups.pp_rank)  # stages draw their own replicated-region dropout masks
     layers = layers_of(model)  # the same objects, now sharded
     mine = stages_of_rank(groups.pp_rank, layout.pipeline, virtual)
     modules = {s: StageModule({i: layers[i] for i in range(bounds[s], bounds[s + 1])},

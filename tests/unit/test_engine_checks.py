@@ -109,3 +109,14 @@ def test_a_weight_tied_across_stages_is_refused_before_any_group(launched_as, mo
                                           r"DeepSpeed's PipelineModule would train two copies apart"):
         plugin.initialize(model, recipe, backend="deepspeed")
     assert not torch.distributed.is_initialized()
+
+
+def test_the_native_pipeline_refuses_a_tied_weight_before_any_group(launched_as):
+    """torch.distributed.pipelining likewise: refused by name before the native back end creates a group."""
+    launched_as(4)
+    recipe = load_recipe("cpu_pp2_dp2")
+    model = GPT(GPTConfig.from_recipe_model(recipe.model, tie_embeddings=True))
+    with pytest.raises(PluginError, match=r"shared by layers on different pipeline stages: .*head.*weight; "
+                                          r"torch.distributed.pipelining would train two copies apart"):
+        plugin.initialize(model, recipe, backend="native")
+    assert not torch.distributed.is_initialized()

@@ -53,9 +53,9 @@ def test_same_cuts_as_deepspeed(weights, parts):
 
 def test_weights_tied_across_stages_are_named():
     """torch.distributed.pipelining would train two copies of a tied weight apart: the engine refuses it."""
-    from plugin.engines.native_pipeline import _shared_across_stages
+    from plugin.engines.pipeline_checks import shared_across_stages
     from plugin.models.gpt import GPT, GPTConfig
 
     tied = GPT(GPTConfig(vocab=16, hidden=8, layers=2, heads=2, seq_len=4, tie_embeddings=True)).to_layers()
-    assert _shared_across_stages(tied, [0, 2, 4]) == ["HeadLayer (layer 3).head.weight"]
-    assert _shared_across_stages(tied, [0, 4]) == []
+    assert shared_across_stages(tied, [0, 2, 4]) == ["HeadLayer (layer 3).head.weight"]
+    assert shared_across_stages(tied, [0, 4]) == []
