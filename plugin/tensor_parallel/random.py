@@ -19,8 +19,8 @@ tensor-parallel stream ``+ 2718 + tp_rank``. So the sharded stream here is
 ``seed + 100 * pp_rank + 2718 + tp_rank``: different on every tensor rank and on every pipeline stage (two
 stages hold different layers and must not draw the same masks), equal across data-parallel replicas.
 As in Megatron, streams stay distinct while ``tp_size <= 100``. The pipeline rank is passed in, never looked
-up. (The default stream, for replicated regions, is the caller's: Megatron reseeds it with
-``seed + 100 * pp_rank`` too, after the model is built.)
+up. The default stream, for replicated regions, is reseeded the same way by the pipelined back ends once the
+model is sharded (:func:`offset_default_stream_by_stage`), as Megatron does after building its model.
 """
 from __future__ import annotations
 
@@ -38,6 +38,19 @@ def sharded_stream_seed(seed: int, tp_rank: int, pp_rank: int = 0) -> int:
     if tp_rank < 0 or pp_rank < 0:
         raise ValueError(f"tp_rank and pp_rank must be >= 0, got tp_rank={tp_rank}, pp_rank={pp_rank}")
     return int(seed) + PIPELINE_SEED_STRIDE * int(pp_rank) + SEED_OFFSET + int(tp_rank)
+
+
+def offset_default_stream_by_stage(pp_rank: int) -> None:
+    """Reseed torch's default generator (every device) with ``initial_seed + 100 * pp_rank``, Megatron's
+    pipeline offset, so replicated-region dropout on different stages does not draw the same masks in lockstep.
+
+    Call once, after the model is built and sharded (the sharded stream has taken its seed from the common one)
+    and before training; stage 0 keeps its stream untouched. Data-parallel replicas of a stage stay equal.
+    """
+    if pp_rank < 0:
+        raise ValueError(f"pp_rank must be >= 0, got {pp_rank}")
+    if pp_rank:
+        torch.manual_seed(torch.initial_seed() + PIPELINE_SEED_STRIDE * int(pp_rank))
 
 
 def _device_module(device: torch.device):

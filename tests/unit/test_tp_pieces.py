@@ -152,6 +152,23 @@ def test_two_pipeline_stages_draw_different_sharded_dropout_masks():
     assert torch.equal(masks(1), masks(1)), "a stage's stream repeats with the same seed"
 
 
+def test_later_stages_reseed_the_default_stream_and_stage_zero_keeps_it():
+    """Replicated-region dropout: stage p > 0 reseeds torch's default stream with seed + 100 p (Megatron)."""
+    from plugin.tensor_parallel.random import offset_default_stream_by_stage
+
+    def after(pp_rank):
+        torch.manual_seed(7)
+        offset_default_stream_by_stage(pp_rank)
+        return torch.initial_seed(), F.dropout(torch.ones(256), 0.5)
+
+    (seed0, mask0), (seed1, mask1), (seed1_again, mask1_again) = after(0), after(1), after(1)
+    assert (seed0, seed1) == (7, 107)
+    assert not torch.equal(mask0, mask1), "two stages must not draw the same replicated-region masks"
+    assert seed1_again == seed1 and torch.equal(mask1, mask1_again), "and a rerun repeats them"
+    with pytest.raises(ValueError, match="pp_rank"):
+        offset_default_stream_by_stage(-1)
+
+
 def test_apply_and_the_recipe_hook_pass_the_pipeline_rank_to_the_stream():
     from types import SimpleNamespace
 
