@@ -67,12 +67,12 @@ def hand_written(recipe, model, sized: bool):
     from plugin.tensor_parallel import apply_tensor_parallel
     from plugin.topology import Topology
 
-    config = hand_config(recipe, model, sized)
     mpu, tp_group = None, None
     if recipe.parallelism.tensor > 1:
         mpu = build_groups(Topology.from_recipe(recipe))
         tp_group = mpu.get_tensor_model_parallel_group()
         model = apply_tensor_parallel(model, "auto", tp_group)
+    config = hand_config(recipe, model, sized)  # buckets sized to this rank's (sharded) parameters
     engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model.parameters(), recipe.optimizer),
                                       config=config, mpu=mpu)
     return engine, (lambda out, y: gpt_loss(out, y, tp_group))

@@ -221,8 +221,6 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
     topology = Topology(layout.pipeline, layout.data, layout.tensor)
     use_ds_opt = _deepspeed_optimizer_builds(recipe, device)
-    numels = tuple(p.numel() for p in model.parameters())
-    config = engine_config(recipe, env.world_size, use_ds_optimizer=use_ds_opt, numels=numels)
 
     if layout.pipeline > 1:
         from deepspeed.pipe import PipelineModule
@@ -248,6 +246,9 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
         module.to(device)
         mpu = groups if layout.tensor > 1 else None
 
+    # buckets sized to what this rank holds: its stage, its tensor shards
+    numels = tuple(p.numel() for p in module.parameters())
+    config = engine_config(recipe, env.world_size, use_ds_optimizer=use_ds_opt, numels=numels)
     if use_ds_opt:
         optimizer, params = None, param_groups(module.parameters(), recipe.optimizer.weight_decay)
     else:
