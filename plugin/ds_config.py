@@ -242,12 +242,16 @@ def _yaml(data: Mapping, indent: int = 0) -> list[str]:
     return lines
 
 
-def to_accelerate_config(recipe, world_size: Optional[int] = None, *, cpu: bool = False) -> str:
+def to_accelerate_config(recipe, world_size: Optional[int] = None, *, cpu: bool = False,
+                         deepspeed: bool = True) -> str:
     """An ``accelerate launch --config_file`` YAML for ``recipe``.
 
     tensor = pipeline = 1: ZeRO 0 is Accelerate's DDP (MULTI_GPU, or MULTI_CPU with ``cpu``); ZeRO >= 1 is
-    its DeepSpeed plugin with the recipe's stage, offload, accumulation and clipping. With tensor or pipeline
-    > 1 Accelerate only launches the processes (MULTI_GPU/MULTI_CPU) and train.py runs the plugin's native
+    its DeepSpeed plugin with the recipe's stage, offload, accumulation and clipping (that plugin needs
+    deepspeed and transformers installed where it runs). ``deepspeed=False``, for machines without it: ZeRO >= 1
+    is a plain MULTI_GPU launch too, and train.py picks Accelerate's FSDP2 plugin (CUDA, ZeRO-2/3) or the
+    plugin's native back end, as :func:`plugin.backends.accelerate_mode` decides. With tensor or pipeline > 1
+    Accelerate only launches the processes (MULTI_GPU/MULTI_CPU) and train.py runs the plugin's native
     back end, which builds those groups itself.
     """
     layout = recipe.layout(world_size)
@@ -257,7 +261,7 @@ def to_accelerate_config(recipe, world_size: Optional[int] = None, *, cpu: bool 
     cfg: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE", "debug": False}
     if cpu:
         cfg["distributed_type"] = "MULTI_CPU" if layout.world_size > 1 else "NO"
-    elif recipe.zero.stage >= 1 and not native_only:
+    elif recipe.zero.stage >= 1 and not native_only and deepspeed:
         z = recipe.zero
         ds = {"gradient_accumulation_steps": layout.grad_accum, "gradient_clipping": float(recipe.gradient_clipping),
               "offload_optimizer_device": z.offload_optimizer, "offload_param_device": z.offload_param,
@@ -276,4 +280,10 @@ def to_accelerate_config(recipe, world_size: Optional[int] = None, *, cpu: bool 
     header = [f"# accelerate config for recipe {recipe.name!r} ({layout.world_size} processes)"]
     if native_only:
         header.append("# tensor/pipeline parallelism: accelerate launches, the plugin's native back end trains")
+    elif cfg["distributed_type"] == "DEEPSPEED":
+        header.append("# needs deepspeed and transformers installed (Accelerate's DeepSpeed plugin imports "
+                      "transformers); export with --no-deepspeed for a machine without them")
+    elif recipe.zero.stage >= 1:
+        header.append(f"# ZeRO-{recipe.zero.stage} without deepspeed: accelerate launches the processes; train.py "
+                      "runs Accelerate's FSDP2 plugin (CUDA, ZeRO-2/3) or the plugin's native back end")
     return "\n".join(header + _yaml(cfg)) + "\n"

@@ -1,4 +1,4 @@
-"""``export RECIPE --to deepspeed|accelerate [--world-size N] [--cpu] [-o FILE]``."""
+"""``export RECIPE --to deepspeed|accelerate [--world-size N] [--cpu] [--no-deepspeed] [-o FILE]``."""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,9 @@ def register(sub) -> None:
     p.add_argument("--to", required=True, choices=["deepspeed", "accelerate"])
     add_world_size(p)
     p.add_argument("--cpu", action="store_true", help="accelerate only: a CPU (MULTI_CPU, gloo) config")
+    p.add_argument("--no-deepspeed", dest="deepspeed", action="store_false",
+                   help="accelerate only: for a machine without deepspeed (ZeRO >= 1 is then not Accelerate's "
+                        "DeepSpeed plugin but its FSDP2 plugin on CUDA, or the plugin's native back end)")
     p.add_argument("-o", "--output", metavar="FILE", help="write there instead of stdout")
     p.set_defaults(run=run)
 
@@ -31,7 +34,7 @@ def run(args) -> int:
     if args.to == "deepspeed":
         text = json.dumps(to_ds_config(recipe, args.world_size), indent=2) + "\n"
     else:
-        text = to_accelerate_config(recipe, args.world_size, cpu=args.cpu)
+        text = to_accelerate_config(recipe, args.world_size, cpu=args.cpu, deepspeed=args.deepspeed)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(text)

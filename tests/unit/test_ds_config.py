@@ -297,6 +297,13 @@ def test_accelerate_yaml_is_loaded_by_accelerate(tmp_path):
         assert cfg.num_processes == load_recipe(name).layout().world_size
         if kind == "DEEPSPEED":
             assert cfg.deepspeed_config["zero_stage"] == 3 and cfg.deepspeed_config["offload_param_device"] == "cpu"
+    # without deepspeed on the machine: a plain multi-GPU launch, which train.py then carries itself
+    path = tmp_path / "nods.yaml"
+    text = to_accelerate_config(load_recipe("dp8_zero3"), deepspeed=False)
+    path.write_text(text)
+    cfg = config_args.load_config_from_file(str(path))
+    assert str(cfg.distributed_type).endswith("MULTI_GPU") and cfg.num_processes == 8
+    assert "# ZeRO-3 without deepspeed" in text and "needs deepspeed" in to_accelerate_config(load_recipe("dp8_zero3"))
 
 
 DS_CHECK = textwrap.dedent("""
