@@ -1,11 +1,12 @@
 """Session checks shared by tests/unit and tests/dist.
 
-``PLUGIN_REQUIRE=deepspeed,accelerate,transformers pytest``: every listed package must import, or the run
-stops at once with the reason. Without it, tests that need an optional package skip where it is missing;
+``PLUGIN_REQUIRE=deepspeed,accelerate,transformers pytest``: every listed package must be installed, or the
+run stops at once with the reason (looked up, not imported: importing deepspeed here would pick its
+accelerator before any test sets DS_ACCELERATOR). Without it, tests that need an optional package skip where it is missing;
 with it (the README's test commands, so CI), a venv that lost a package fails instead of skipping its
 suites and staying green. :func:`tests.dist.needs.need` applies the same rule inside a module.
 """
-import importlib
+import importlib.util
 
 import pytest
 
@@ -13,12 +14,7 @@ from tests.dist.needs import required
 
 
 def pytest_sessionstart(session):
-    missing = []
-    for name in sorted(required()):
-        try:
-            importlib.import_module(name)
-        except Exception as e:  # an ImportError, or a package that is there but broken
-            missing.append(f"{name} ({type(e).__name__}: {e})")
+    missing = [name for name in sorted(required()) if importlib.util.find_spec(name) is None]
     if missing:
-        raise pytest.UsageError(f"PLUGIN_REQUIRE lists packages this environment cannot import: "
-                                f"{', '.join(missing)} -> install them, or drop them from PLUGIN_REQUIRE")
+        raise pytest.UsageError(f"PLUGIN_REQUIRE lists packages that are not installed here: {', '.join(missing)} "
+                                "-> install them, or drop them from PLUGIN_REQUIRE")
