@@ -102,10 +102,14 @@ def _hostfile(tmp_path, text):
 
 
 def test_hostfile_is_read_as_deepspeed_reads_it(tmp_path):
-    from deepspeed.launcher.runner import _parse_hostfile  # the reference: DeepSpeed's own parser
+    runner = pytest.importorskip("deepspeed.launcher.runner")  # the reference: DeepSpeed's own parser
 
     text = "# two workers\n\nworker-1 slots=4\n  worker-2   slots=2 # spare\n"
-    assert read_hostfile(_hostfile(tmp_path, text)) == dict(_parse_hostfile(text.splitlines(True)))
+    assert read_hostfile(_hostfile(tmp_path, text)) == dict(runner._parse_hostfile(text.splitlines(True)))
+    assert read_hostfile(_hostfile(tmp_path, text)) == {"worker-1": 4, "worker-2": 2}
+
+
+def test_bad_hostfiles_are_named_by_line(tmp_path):
     for bad, why in [("worker-1\n", "line 1: 'worker-1' is not a host entry"),
                      ("a slots=1\n# c\na slots=2\n", "line 3: host 'a' is listed twice"),
                      ("# nothing\n\n", "lists no host")]:
