@@ -13,8 +13,9 @@ from typing import Optional
 
 from .dims import ModelSpec
 from .errors import Problem, RecipeError
-from .estimate import (Breakdown, CommTerm, ModelStates, Setup, bubble_fraction, communication_per_rank,
-                       expected_model_states, host_model_states, memory_per_rank, usable_memory)
+from .communication import CommTerm, communication_per_rank
+from .estimate import (Breakdown, ModelStates, Setup, bubble_fraction, expected_model_states, host_model_states,
+                       memory_per_rank, usable_memory)
 from .steptime import HARDWARE, Hardware, StepTime, step_time
 
 

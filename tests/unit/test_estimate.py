@@ -11,9 +11,10 @@ import decimal
 
 import pytest
 
+from plugin.communication import communication_per_rank
 from plugin.dims import ModelSpec
 from plugin.estimate import (Setup, activation_bytes_per_layer, activation_terms_per_layer, bubble_fraction,
-                             communication_per_rank, expected_model_states, host_model_states,
+                             expected_model_states, host_model_states,
                              memory_per_rank, micro_batches_in_flight, model_state_bytes, model_state_terms,
                              stage_memory, state_bytes_per_param, usable_memory)
 from plugin.presets import get_preset

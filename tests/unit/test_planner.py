@@ -357,7 +357,7 @@ def test_the_assumptions_say_what_is_not_searched():
 def test_data_parallel_reductions_are_exposed_as_deepspeed_runs_them():
     """overlap_comm is off at ZeRO 0-2 (DeepSpeed's default, the plugin writes none): ZeRO-0 all-reduces
     after the backward, ZeRO-1 at the boundary, ZeRO-2 during every micro-batch on the compute stream."""
-    from plugin.estimate import communication_per_rank
+    from plugin.communication import communication_per_rank
     from plugin.steptime import _comm_seconds
 
     for zero in (0, 1, 2):
