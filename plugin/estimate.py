@@ -415,3 +415,17 @@ def usable_memory(gpu_memory: float) -> tuple[float, float]:
     """
     reserve = 1e9 + 0.05 * gpu_memory
     return gpu_memory - reserve, reserve
+
+
+# The rest of the estimate lives in modules of its own, reachable from here too (loaded on first use: they
+# import this module): bytes sent per rank, and the whole per-rank estimate of a recipe.
+_ELSEWHERE = {"communication_per_rank": "communication", "CommTerm": "communication", "ring_factor": "communication",
+              "estimate_recipe": "recipe_estimate", "RecipeEstimate": "recipe_estimate"}
+
+
+def __getattr__(name: str):
+    if name in _ELSEWHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f"plugin.{_ELSEWHERE[name]}"), name)
+    raise AttributeError(f"module 'plugin.estimate' has no attribute {name!r}")

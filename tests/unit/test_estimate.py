@@ -390,3 +390,15 @@ def test_stage_params_add_up():
     assert per_tp == pytest.approx(32 * (sharded / 2 + replicated) + spec.embedding_params() / 2
                                    + spec.norm_params + spec.embedding_params() / 2)
     assert [GPT.layers_on_stage(i, 5) for i in range(5)] == [5, 5, 5, 5, 4]
+
+
+def test_the_issue_names_are_reachable_from_plugin_estimate():
+    """The per-recipe total and the communication terms live in their own modules; plugin.estimate names them."""
+    import plugin.communication
+    import plugin.estimate
+    import plugin.recipe_estimate
+
+    assert plugin.estimate.communication_per_rank is plugin.communication.communication_per_rank
+    assert plugin.estimate.estimate_recipe is plugin.recipe_estimate.estimate_recipe
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        plugin.estimate.nope
