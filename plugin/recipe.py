@@ -10,6 +10,7 @@ Pure: no torch, no deepspeed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -181,16 +182,22 @@ def _thaw(value):
     return value
 
 
-def _build(cls, data: Mapping[str, Any]):
+@functools.lru_cache(maxsize=None)
+def _fields_of(cls) -> tuple:
+    """(field name, JSON key, nested dataclass or None) for each JSON field of ``cls``; resolving the type
+    hints is most of the cost of building a recipe, so it is done once per class."""
     hints = typing.get_type_hints(cls)
+    return tuple((f.name, json_key(f), _target_class(hints[f.name])) for f in dataclasses.fields(cls)
+                 if json_key(f) is not None)
+
+
+def _build(cls, data: Mapping[str, Any]):
     kwargs = {}
-    for f in dataclasses.fields(cls):
-        key = json_key(f)
-        if key is None or key not in data:
+    for name, key, sub in _fields_of(cls):
+        if key not in data:
             continue
         value = data[key]
-        sub = _target_class(hints[f.name])
-        kwargs[f.name] = _build(sub, value) if sub is not None and isinstance(value, Mapping) else _freeze(value)
+        kwargs[name] = _build(sub, value) if sub is not None and isinstance(value, Mapping) else _freeze(value)
     return cls(**kwargs)
 
 
