@@ -36,18 +36,35 @@ class _NonFinite:
 _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|-?Infinity|NaN|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?')
 
 
+def _line_col(text: str, at: int) -> tuple[int, int]:
+    return text.count("\n", 0, at) + 1, at - (text.rfind("\n", 0, at) + 1) + 1
+
+
+def _is_float_token(tok: str) -> bool:
+    """Whether Python's json module reads this number token as a float (integers go to ``int``)."""
+    return any(c in tok for c in ".eE")
+
+
 def _nonfinite_positions(text: str) -> list[tuple[str, int, int]]:
-    """(token, line, column) of every NaN, Infinity or overflowing number outside strings, in order."""
+    """(token, line, column) of every NaN, Infinity or overflowing float outside strings, in order: the
+    tokens json hands to ``parse_constant`` or ``parse_float`` as something infinite, in the order it reads them."""
     out = []
     for m in _TOKENS.finditer(text):
         tok = m.group()
         if tok.startswith('"'):
             continue
-        if tok[-1] in "yN" or math.isinf(float(tok)):  # -?Infinity, NaN, or a number too big for a float
-            line = text.count("\n", 0, m.start()) + 1
-            col = m.start() - (text.rfind("\n", 0, m.start()) + 1) + 1
-            out.append((tok, line, col))
+        if tok[-1] in "yN" or (_is_float_token(tok) and math.isinf(float(tok))):
+            out.append((tok, *_line_col(text, m.start())))
     return out
+
+
+def _too_long_integer(text: str, limit: int) -> tuple[str, int, int]:
+    """(shortened token, line, column) of the first integer with more than ``limit`` digits."""
+    for m in _TOKENS.finditer(text):
+        tok = m.group()
+        if not tok.startswith('"') and not _is_float_token(tok) and len(tok.lstrip("-")) > limit:
+            return tok[:12] + "...", *_line_col(text, m.start())
+    return "", 0, 0
 
 
 def _walk_json(value, path: str = "$"):
@@ -99,6 +116,14 @@ def parse_json(text: str, file: str = "") -> tuple[Any, list[Problem]]:
                                  "are the usual causes)", file=file)]
     except RecursionError:
         return INVALID, [Problem("$", "the JSON nests too deeply to read", "flatten it", file=file)]
+    except ValueError as e:  # Python's cap on int digits (sys.get_int_max_str_digits(), 4300 by default)
+        import sys
+
+        limit = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 4300
+        tok, line, col = _too_long_integer(text, limit)
+        what = (f"invalid number at line {line}, column {col}: {tok} has more than {limit} digits" if line
+                else f"unreadable JSON: {e}")
+        return INVALID, [Problem("$", what, "write a number of reasonable size", file=file)]
     paths = {}
     if repeated or nonfinite:
         paths = {id(v): p for p, v in _walk_json(value)}
@@ -111,12 +136,11 @@ def parse_json(text: str, file: str = "") -> tuple[Any, list[Problem]]:
             why = "JSON has no NaN or Infinity" if tok[-1] in "yN" else "it is too large for a float"
             problems.append(Problem(paths.get(id(node), "$"), f"invalid JSON at {at}: {tok} is not a finite "
                                     f"number ({why})", "write a finite number", file=file))
-        return INVALID, problems
     for obj, keys in repeated:
         where = paths.get(id(obj), "$")
         for k in keys:
-            last = json.dumps(obj[k])
+            last = json.dumps(obj[k], default=lambda o: o.token if isinstance(o, _NonFinite) else str(o))
             last = last if len(last) <= 40 else last[:37] + "..."
             problems.append(Problem(where, f"key {json.dumps(k)} appears more than once in this object (JSON "
                                     f"keeps only the last, {last})", "keep one of them", file=file))
-    return value, problems
+    return (INVALID if nonfinite else value), problems
