@@ -20,6 +20,7 @@ import torch
 import plugin
 from plugin.data import TextBatches
 from plugin.errors import PluginError, RecipeError
+from plugin.tensor_parallel.random import offset_default_stream_by_stage
 from plugin.launch import check_train_script
 
 
@@ -89,8 +90,9 @@ def main(argv=None):
     except PluginError as e:
         print(e, file=sys.stderr)
         return 2
+    offset_default_stream_by_stage(engine.groups.pp_rank)  # each stage its own dropout masks (Megatron's seeds)
 
-    data = TextBatches(recipe.model.vocab, recipe.model.seq_len, seed=args.seed)
+    data = TextBatches(recipe.model.vocab, recipe.model.seq_len, seed=args.seed)  # its own generator
     start = engine.load(args.resume)["step"] if args.resume else 0
     main_rank = engine.is_main
     metrics = None

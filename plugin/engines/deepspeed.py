@@ -27,7 +27,6 @@ import torch
 
 from ..ds_config import to_ds_config
 from ..optim import build_optimizer, param_groups
-from ..tensor_parallel.random import offset_default_stream_by_stage
 from .base import Engine
 
 
@@ -237,7 +236,6 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
             apply_tp(model, groups.get_tensor_model_parallel_group(), pp_rank=groups.pp_rank)
         count_each_gradient_once(module, groups.tp_rank)
         module.to(device)
-        offset_default_stream_by_stage(groups.pp_rank)  # stages draw their own replicated-region dropout masks
         mpu = None  # DeepSpeed requires mpu=None with a PipelineModule; it uses the module's grid
     else:
         groups = build_groups(topology)

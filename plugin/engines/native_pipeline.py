@@ -34,7 +34,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..pipeline import stages_of_rank
-from ..tensor_parallel.random import offset_default_stream_by_stage
 from .pipeline_checks import check_shared_across_stages, cut_layers
 from .native import native_optimizer, tensor_sharded_names
 from .native_common import NativeEngine, build_scaler, tensor_parallel_rngs
@@ -172,7 +171,6 @@ def build_pipeline(model, recipe, layout, topology, groups, *, device, layers_of
     bounds = check_stage_cuts(model, recipe, layout, layers_of)  # build() checked them before any group
     if layout.tensor > 1:
         apply_tp(model, groups.get_tensor_model_parallel_group(), pp_rank=groups.pp_rank)
-    offset_default_stream_by_stage(groups.pp_rank)  # stages draw their own replicated-region dropout masks
     layers = layers_of(model)  # the same objects, now sharded
     mine = stages_of_rank(groups.pp_rank, layout.pipeline, virtual)
     modules = {s: StageModule({i: layers[i] for i in range(bounds[s], bounds[s + 1])},

@@ -19,8 +19,9 @@ tensor-parallel stream ``+ 2718 + tp_rank``. So the sharded stream here is
 ``seed + 100 * pp_rank + 2718 + tp_rank``: different on every tensor rank and on every pipeline stage (two
 stages hold different layers and must not draw the same masks), equal across data-parallel replicas.
 As in Megatron, streams stay distinct while ``tp_size <= 100``. The pipeline rank is passed in, never looked
-up. The default stream, for replicated regions, is reseeded the same way by the pipelined back ends once the
-model is sharded (:func:`offset_default_stream_by_stage`), as Megatron does after building its model.
+up. The default stream, for replicated regions, is the caller's: the engines never reseed it (a user's own
+data drawn from it must stay the same on every stage); train.py offsets it per stage after ``initialize``
+(:func:`offset_default_stream_by_stage`), as Megatron does after building its model.
 """
 from __future__ import annotations
 
@@ -44,8 +45,11 @@ def offset_default_stream_by_stage(pp_rank: int) -> None:
     """Reseed torch's default generator (every device) with ``initial_seed + 100 * pp_rank``, Megatron's
     pipeline offset, so replicated-region dropout on different stages does not draw the same masks in lockstep.
 
-    Call once, after the model is built and sharded (the sharded stream has taken its seed from the common one)
-    and before training; stage 0 keeps its stream untouched. Data-parallel replicas of a stage stay equal.
+    Call once (it offsets from ``torch.initial_seed()``, so a second call adds again), after the model is built
+    and sharded (the sharded stream has taken its seed from the common one) and before training; stage 0
+    keeps its stream untouched. Data-parallel replicas of a stage stay equal. Only for scripts whose data does
+    not come from torch's default generator (train.py's has its own): stages would otherwise draw different
+    inputs and labels.
     """
     if pp_rank < 0:
         raise ValueError(f"pp_rank must be >= 0, got {pp_rank}")

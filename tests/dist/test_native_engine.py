@@ -125,6 +125,15 @@ def _train(recipe, measure=False):
     return engine, losses, norm
 
 
+def _tp_stream_seed(engine) -> int:
+    """The seed of the tensor-parallel dropout stream the rank's sharded layers draw from."""
+    from plugin.tensor_parallel.random import TensorParallelRNG
+
+    seeds = {m.rng.seed for m in engine.module.modules() if isinstance(getattr(m, "rng", None), TensorParallelRNG)}
+    assert len(seeds) == 1, seeds
+    return seeds.pop()
+
+
 def _run_all(rank, world_size):
     out = {}
     references = {}
@@ -133,7 +142,8 @@ def _run_all(rank, world_size):
         pp = {"schedule": "1f1b", "partition": "uniform", "activation_checkpoint_interval": interval}
         recipe = _recipe("cpu_tp2_pp2", {"model": {**dropout, "dropout": p}, "pipeline_parallel": pp,
                                          "tensor_parallel": {"sequence_parallel": True}})
-        out[f"dropout_{p}_checkpoint_{interval}"] = _train(recipe)[1]
+        engine, out[f"dropout_{p}_checkpoint_{interval}"], _ = _train(recipe)
+        out["tp_stream"] = (engine.groups.pp_rank, engine.groups.tp_rank, _tp_stream_seed(engine))
     for name, (base, blocks) in FP32.items():
         recipe = _recipe(base, blocks)
         _, losses, norm = _train(recipe)
@@ -180,6 +190,15 @@ def test_activation_checkpointing_replays_dropout(results):
         assert out["dropout_0.1_checkpoint_1"] == out["dropout_0.1_checkpoint_0"], f"rank {rank}"
         assert out["dropout_0.1_checkpoint_0"] != pytest.approx(out["dropout_0.0_checkpoint_0"], rel=1e-3), \
             f"rank {rank}: dropout 0.1 trains like dropout 0: no mask was drawn"
+
+
+def test_each_stage_and_tensor_rank_draws_its_own_sharded_dropout_stream(results):
+    """The engine passes the pipeline rank to the tensor-parallel stream: seed + 100 pp_rank + 2718 + tp_rank
+    (Megatron's), so no two of the 4 ranks of tp2 x pp2 drop in lockstep."""
+    streams = [out["tp_stream"] for out in results]
+    assert sorted((pp, tp) for pp, tp, _ in streams) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for pp, tp, seed in streams:
+        assert seed == 0 + 100 * pp + 2718 + tp, (pp, tp, seed)
 
 
 def test_zero_stages_hold_their_share(results):
