@@ -283,7 +283,11 @@ def to_accelerate_config(recipe, world_size: Optional[int] = None, *, cpu: bool 
     elif cfg["distributed_type"] == "DEEPSPEED":
         header.append("# needs deepspeed and transformers installed (Accelerate's DeepSpeed plugin imports "
                       "transformers); export with --no-deepspeed for a machine without them")
-    elif recipe.zero.stage >= 1:
+    elif recipe.zero.stage >= 1 and not deepspeed:
         header.append(f"# ZeRO-{recipe.zero.stage} without deepspeed: accelerate launches the processes; train.py "
                       "runs Accelerate's FSDP2 plugin (CUDA, ZeRO-2/3) or the plugin's native back end")
+    elif recipe.zero.stage >= 1:  # cpu: MULTI_CPU launches; train.py picks the mode (plugin.backends)
+        header.append(f"# ZeRO-{recipe.zero.stage} on CPU: accelerate launches the processes; train.py runs "
+                      "Accelerate's DeepSpeed plugin where deepspeed and transformers are installed, else the "
+                      "plugin's native back end")
     return "\n".join(header + _yaml(cfg)) + "\n"

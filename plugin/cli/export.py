@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import EXIT_INVALID, EXIT_OK, add_world_size, load_or_report, needs_world_size
+from .common import EXIT_INVALID, EXIT_OK, EXIT_USAGE, add_world_size, load_or_report, needs_world_size
 
 
 def register(sub) -> None:
@@ -25,6 +25,10 @@ def register(sub) -> None:
 def run(args) -> int:
     from ..ds_config import to_accelerate_config, to_ds_config
 
+    if args.to == "deepspeed" and (args.cpu or not args.deepspeed):
+        flag = "--cpu" if args.cpu else "--no-deepspeed"
+        print(f"export: {flag} shapes an Accelerate config only -> drop it, or use --to accelerate", file=sys.stderr)
+        return EXIT_USAGE
     recipe = load_or_report(args.recipe, args.world_size)
     if recipe is None:
         return EXIT_INVALID

@@ -109,6 +109,11 @@ def test_export_deepspeed_and_accelerate(tmp_path):
     out = cli("export", "cpu_dp4", "--to", "accelerate", "--cpu", "-o", target)
     assert out.returncode == 0 and "distributed_type: \"MULTI_CPU\"" in target.read_text()
     assert cli("export", INVALID / "zero_stage_4.json", "--to", "deepspeed").returncode == 2
+    text = target.read_text()
+    assert "# ZeRO-1 on CPU" in text and "without deepspeed" not in text, "deepspeed is allowed here"
+    for flag in ("--cpu", "--no-deepspeed"):  # accelerate-only flags are refused with --to deepspeed
+        out = cli("export", "cpu_dp4", "--to", "deepspeed", flag)
+        assert out.returncode == 1 and f"{flag} shapes an Accelerate config only" in out.stderr
 
 
 def test_import_round_trip(tmp_path):
