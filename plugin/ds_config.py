@@ -173,8 +173,9 @@ def from_ds_config(cfg: Mapping, world_size: Optional[int] = None, name: str = "
         rest.setdefault("pipeline", {})["stages"] = stages
     recipe["batch"] = {k: v for k, v in (("global", g), ("micro", m), ("grad_accum", a)) if _given(v)} \
         or {"micro": 1}
-    bf16 = bool(_pop(rest, "bf16", "enabled", default=False))
-    fp16 = bool(_pop(rest, "fp16", "enabled", default=False))
+    bf16 = _pop(rest, "bf16", "enabled", default=False)
+    fp16 = _pop(rest, "fp16", "enabled", default=False)
+    bf16, fp16 = (bool(v) if _given(v) else False for v in (bf16, fp16))  # "auto" (Hugging Face): not given
     recipe["precision"] = "bf16" if bf16 else "fp16" if fp16 else "fp32"
     if fp16:
         scale = {k: _pop(rest, "fp16", k) for k in ("loss_scale", "initial_scale_power", "loss_scale_window",

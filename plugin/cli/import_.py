@@ -45,7 +45,7 @@ def run(args) -> int:
     recipe, problems = recipe_from_data(data, args.output or "")
     if recipe is not None:
         problems += check_recipe(recipe, args.world_size)
-    problems = parse_problems + _optimizer_warnings(cfg, args.ds_config) + \
+    problems = parse_problems + _optimizer_warnings(cfg, args.ds_config) + _precision_warnings(cfg, args.ds_config) + \
         [p if p.file else p.with_file(args.ds_config) for p in problems]
     print_problems(problems)
     text = json.dumps(data, indent=2) + "\n"
@@ -55,6 +55,13 @@ def run(args) -> int:
     else:
         sys.stdout.write(text)
     return EXIT_OK if recipe is not None and not any(p.is_error for p in problems) else EXIT_INVALID
+
+
+def _precision_warnings(cfg: dict, file: str) -> list[Problem]:
+    """bf16/fp16 ``"enabled": "auto"`` (the Hugging Face Trainer decides at run time): the recipe cannot know."""
+    return [Problem(f"$.{k}.enabled", '"auto" (the Hugging Face Trainer fills it in): the recipe takes fp32',
+                    f'set $.precision in the recipe to what you train with ("{k}" or "fp32")', WARNING, file)
+            for k in ("bf16", "fp16") if isinstance(cfg.get(k), dict) and cfg[k].get("enabled") == "auto"]
 
 
 def _optimizer_warnings(cfg: dict, file: str) -> list[Problem]:

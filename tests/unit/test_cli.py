@@ -231,6 +231,18 @@ def test_import_plain_deepspeed_optimizers(tmp_path):
                                                               "weight_decay": 0.0}}
 
 
+def test_import_reads_auto_precision_as_not_given_and_says_so(tmp_path):
+    """Hugging Face's "enabled": "auto" is decided at run time: the recipe takes fp32 and warns, never bf16."""
+    ds = tmp_path / "hf.json"
+    ds.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+                              "bf16": {"enabled": "auto"}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}))
+    out = cli("import", ds, "--world-size", "8")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["precision"] == "fp32" and "bf16" not in data.get("deepspeed", {}), data
+    assert f'{ds}: $.bf16.enabled: warning: "auto"' in out.stderr and "set $.precision" in out.stderr
+
+
 def test_import_problems_name_the_file(tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_batch_size": 16, "optimizer": {"type": "Lamb"}}))
