@@ -185,7 +185,7 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     if layout.pipeline > 1:
         from .native_pipeline import check_stage_cuts
 
-        check_stage_cuts(model, recipe, layout, layers_of)
+        bounds = check_stage_cuts(model, recipe, layout, layers_of)  # before any group: every rank refuses alike
     init_process_group(device)
     topology = Topology(layout.pipeline, layout.data, layout.tensor)
     groups = build_groups(topology)
@@ -194,7 +194,7 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
         from .native_pipeline import build_pipeline
 
         return build_pipeline(model, recipe, layout, topology, groups, device=device, layers_of=layers_of,
-                              apply_tp=apply_tp, loss_fn=loss_fn)
+                              apply_tp=apply_tp, loss_fn=loss_fn, bounds=bounds)
     module = apply_tp(model, groups.get_tensor_model_parallel_group()) if layout.tensor > 1 else model
     module.to(device)
     sharded_names = tensor_sharded_names(module)

@@ -162,13 +162,14 @@ class PipelineEngine(NativeEngine):
 
 
 def build_pipeline(model, recipe, layout, topology, groups, *, device, layers_of: Callable, apply_tp: Callable,
-                   loss_fn: Callable) -> PipelineEngine:
+                   loss_fn: Callable, bounds: list[int]) -> PipelineEngine:
+    """Stages of ``model`` on this rank's pipeline group; ``bounds``: :func:`check_stage_cuts`'s cut, made
+    before any process group existed."""
     from torch.distributed import pipelining
 
     pp_cfg = recipe.pipeline_parallel
     virtual = _virtual_stages(recipe)
     num_stages = layout.pipeline * virtual
-    bounds = check_stage_cuts(model, recipe, layout, layers_of)  # build() checked them before any group
     if layout.tensor > 1:
         apply_tp(model, groups.get_tensor_model_parallel_group(), pp_rank=groups.pp_rank)
     layers = layers_of(model)  # the same objects, now sharded
