@@ -1,8 +1,10 @@
 """Optional packages a test needs: skipped where missing, unless the run says the package must be there.
 
-``PLUGIN_REQUIRE=accelerate,transformers pytest ...``: a test module that needs a listed package imports it
-outright, so its absence is a collection error that fails the run, instead of a skip that passes it (a CI venv
-that lost accelerate would otherwise skip the whole native/Accelerate parity suite and stay green).
+``PLUGIN_REQUIRE=accelerate,transformers pytest ...``: tests/conftest.py stops the run at once when a listed
+package is not installed, and a dist module that needs one takes it through :func:`need`, which imports it
+outright, so a package that is installed but broken is a collection error that fails the run too, instead of
+a skip that passes it (a CI venv that lost accelerate would otherwise skip the whole native/Accelerate parity
+suite and stay green). Unit tests' own ``importorskip`` calls are covered by the conftest check only.
 """
 from __future__ import annotations
 

@@ -7,10 +7,11 @@ import sys
 
 import pytest
 
+from .needs import need
 from .runs import ROOT, cpu_env
 
 pytestmark = [pytest.mark.dist, pytest.mark.deepspeed]
-pytest.importorskip("deepspeed")
+need("deepspeed")
 
 SCRIPT = r"""
 import json, sys

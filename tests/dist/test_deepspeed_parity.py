@@ -19,10 +19,11 @@ from datetime import datetime
 
 import pytest
 
+from .needs import need
 from .runs import PARITY_LAYOUTS, recipe_variant, train
 
 pytestmark = [pytest.mark.dist, pytest.mark.deepspeed]
-deepspeed = pytest.importorskip("deepspeed")
+need("deepspeed")
 
 STEPS, SAVE_AT, RTOL, BF16_RTOL = 10, 5, 1e-4, 5e-3
 
@@ -107,7 +108,7 @@ def test_world_size_mismatch_exits_on_every_rank_without_hanging(tmp_path):
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_transformers_models_match_single_process(model, tmp_path):
     """train.py --model gpt2/llama: transformers models, sharded by their auto plan at tp2 x dp2."""
-    pytest.importorskip("transformers")
+    need("transformers")
     ref = train("cpu_single", 1, tmp_path, launcher="python", steps=4, extra=["--model", model])
     got = train("cpu_tp2_dp2", 4, tmp_path, steps=4, extra=["--model", model])
     assert_same_losses(got.losses, ref.losses, range(1, 5), got.log())

@@ -20,10 +20,11 @@ import dataclasses
 
 import pytest
 
+from .needs import need
 from .spawn import run
 
 pytestmark = [pytest.mark.dist, pytest.mark.deepspeed]
-pytest.importorskip("deepspeed")
+need("deepspeed")
 
 CASES = [("cpu_dp4", 0), ("cpu_dp4", 1), ("cpu_dp4", 2), ("cpu_dp4", 3), ("cpu_tp2_dp2", None)]
 BUCKET_HELD = {0: False, 1: True, 2: False, 3: True}  # is the reduction bucket alive mid-accumulation?

@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from .needs import need
 from .spawn import run
 
-pytest.importorskip("deepspeed")
+need("deepspeed")
 pytestmark = [pytest.mark.dist, pytest.mark.deepspeed]
 
 CLIP = 0.05  # small enough that every step clips

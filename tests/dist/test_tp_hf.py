@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from .needs import need
 from .spawn import run
 
-pytest.importorskip("transformers")
+need("transformers")
 pytestmark = pytest.mark.dist
 
 TOL = dict(rtol=1e-5, atol=1e-6)
