@@ -209,7 +209,9 @@ def spec_from_dict(data: Mapping[str, Any], name: str = "model",
 
     problems: list[Problem] = []
     if not isinstance(data, Mapping):
-        return None, [Problem(where, f"a model is a JSON object, not {type(data).__name__}",
+        from .schema import json_type
+
+        return None, [Problem(where, f"a model is a JSON object, not {json_type(data)}",
                               "give layers, hidden, heads, vocab and seq_len")]
     known = set(_INT_FIELDS) | set(_CHOICES) | set(_BOOLS) | set(_IGNORED) | {"dropout"}
     for key in data:

@@ -276,7 +276,7 @@ def parse(argv: list[str]) -> Request:
         p.error("--hostfile lists the nodes itself: drop --nodes/--node-rank (--master ADDR:PORT may stay)")
     nodes, node_rank = a.nodes or 1, a.node_rank or 0
     if nodes > 1 and not a.master:
-        p.error("--nodes > 1 needs --master ADDR:PORT (or --hostfile)")
+        p.error("--nodes > 1 needs --master ADDR:PORT (or --hostfile FILE instead of --nodes)")
     return Request(recipe=a.recipe, launcher=a.launcher, nproc=a.nproc, nodes=nodes, node_rank=node_rank,
                    master=a.master, hostfile=a.hostfile, dry_run=a.dry_run, train_args=train_args)
 

@@ -32,7 +32,8 @@ def register(subparsers) -> None:
                     "sequence-parallel choice; keep those that fit; rank them by a roofline step time; print "
                     "the top K with the reason for each place; --write ranks the model the written recipe "
                     "describes (the reference GPT of these dimensions) and saves the best as a recipe.",
-        epilog="Exit codes: 0 a layout fits, 3 none fits, 2 invalid model file, 1 usage error. GB = 10^9 bytes.")
+        epilog="Exit codes: 0 a layout fits, 3 none fits, 2 an invalid model file or a written recipe that does not "
+               "validate or agree with estimate, 1 usage error. GB = 10^9 bytes.")
     p.add_argument("--model", required=True, metavar="NAME|PATH.json",
                    help="a preset (llama2-7b, llama3-8b, gpt3-175b, megatron-1t, ...) or a JSON model block "
                         "(the recipe's model fields) or a recipe with one")
