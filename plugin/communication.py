@@ -72,8 +72,9 @@ def communication_per_rank(spec: ModelSpec, setup: Setup, stage: int = 0) -> lis
         out.append(CommTerm("tensor_parallel_blocks", "tensor",
                             m * layers * per_block * 2 * ring_factor(t) * sbh * w, m * layers * ops))
         ends = (1 if stage == 0 else 0) + (1 if stage == setup.pp - 1 else 0)
+        # one all-reduce at each end, or under sequence parallelism a reduce-scatter and an all-gather (same bytes)
         out.append(CommTerm("tensor_parallel_embedding_and_output", "tensor",
-                            m * ends * 2 * ring_factor(t) * sbh * w, m * ends))
+                            m * ends * 2 * ring_factor(t) * sbh * w, m * ends * (2 if setup.sequence_parallel else 1)))
     if setup.pp > 1:
         msg = sbh * w / (t if setup.sequence_parallel else 1)
         if stage < setup.pp - 1:

@@ -331,6 +331,10 @@ def test_tensor_and_pipeline_volumes():
     assert _bytes(plain, "tensor_parallel_blocks") == pytest.approx(m * L * 4 * 2 * 3 / 4 * sbh2)
     sp = communication_per_rank(GPT, Setup(tp=4, micro_batch=b, micro_batches=m, sequence_parallel=True))
     assert _bytes(sp, "tensor_parallel_blocks") == _bytes(plain, "tensor_parallel_blocks")
+    ends = {name: {t.name: t for t in terms}["tensor_parallel_embedding_and_output"] for name, terms in
+            (("plain", plain), ("sp", sp))}
+    assert ends["sp"].bytes == ends["plain"].bytes  # all-reduce vs reduce-scatter + all-gather: same bytes
+    assert (ends["plain"].calls, ends["sp"].calls) == (2 * m, 4 * m)  # one stage holds both ends: 2 ops vs 4
     full = communication_per_rank(GPT, Setup(tp=4, micro_batch=b, micro_batches=m, recompute="full"))
     assert _bytes(full, "tensor_parallel_blocks") == pytest.approx(1.5 * _bytes(plain, "tensor_parallel_blocks"))
     pipe = Setup(pp=4, micro_batch=b, micro_batches=m)
