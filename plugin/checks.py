@@ -42,7 +42,7 @@ def check_batch_and_world(recipe: Recipe, layout: Optional[Layout]) -> Problems:
     size is known, a world that does not fit, a bad triple) they run whenever the batch block fixes that count.
     """
     pp = recipe.parallelism.pipeline
-    m = layout.micro_batches if layout is not None else known_grad_accum(recipe.batch)
+    m = layout.micro_batches if layout is not None else known_grad_accum(recipe.batch, recipe.parallelism.data)
     if pp == 1 or m is None:
         return
     if m < pp:

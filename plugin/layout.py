@@ -101,12 +101,15 @@ def resolve_batch(batch, data: int) -> tuple[Optional[tuple[int, int, int]], lis
     return (g, m, g // per), []
 
 
-def known_grad_accum(batch) -> Optional[int]:
-    """The micro-batches per step when the batch block fixes them without the data size (else ``None``)."""
+def known_grad_accum(batch, data: Optional[int] = None) -> Optional[int]:
+    """The micro-batches per step when the batch block fixes them without a resolved layout (else ``None``):
+    given, or 1 when only one of global and micro is, or global / (micro x ``data``) when the recipe's own data
+    size is a number and divides evenly (the launched world may still disagree with it)."""
     if batch.grad_accum is not None:
         return batch.grad_accum
     if batch.global_ is not None and batch.micro is not None:
-        return None  # global / (micro x data)
+        per = batch.micro * data if isinstance(data, int) else 0
+        return batch.global_ // per if per and batch.global_ % per == 0 else None
     return 1
 
 

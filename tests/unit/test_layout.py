@@ -100,6 +100,20 @@ def test_batch_problems_no_data_size_can_fix(batch, path):
 def test_known_grad_accum():
     assert [known_grad_accum(b) for b in (Batch(grad_accum=3, micro=1), Batch(micro=4), Batch(global_=8),
                                           Batch(global_=8, micro=2))] == [3, 1, 1, None]
+    # the recipe's own numeric data size fixes global / (micro x data), whatever world is launched
+    assert [known_grad_accum(Batch(global_=8, micro=2), data) for data in (2, 3, "auto", None)] == [2, None, None, None]
+
+
+def test_a_world_mismatch_keeps_the_pipeline_rules_the_recipes_data_size_decides():
+    """pipeline 2 x data 2 with global 8 at micro 4 is one micro-batch per step, whatever world is launched:
+    said beside the world-size error, not only once the world is fixed."""
+    from plugin.checks import check_recipe
+    from plugin.recipe import Recipe
+
+    recipe = Recipe.from_dict({"name": "r", "parallelism": {"data": 2, "tensor": 1, "pipeline": 2},
+                               "zero": {"stage": 1}, "batch": {"global": 8, "micro": 4}})
+    paths = {p.path for p in check_recipe(recipe, 6) if p.is_error}
+    assert {"$.parallelism", "$.batch"} <= paths, paths
 
 
 def test_auto_recipes_get_the_pipeline_rules_before_the_world_size_is_known():
