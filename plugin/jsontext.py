@@ -67,17 +67,17 @@ def _too_long_integer(text: str, limit: int) -> tuple[str, int, int]:
     return "", 0, 0
 
 
-def _walk_json(value, path: str = "$"):
+def walk_json(value, path: str = "$"):
     """(path, value) of every node, in document order."""
     from .schema import json_path
 
     yield path, value
     if isinstance(value, dict):
         for k, v in value.items():
-            yield from _walk_json(v, path + json_path([k])[1:])
+            yield from walk_json(v, path + json_path([k])[1:])
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            yield from _walk_json(v, f"{path}[{i}]")
+            yield from walk_json(v, f"{path}[{i}]")
 
 
 def parse_json(text: str, file: str = "") -> tuple[Any, list[Problem]]:
@@ -126,7 +126,7 @@ def parse_json(text: str, file: str = "") -> tuple[Any, list[Problem]]:
         return INVALID, [Problem("$", what, "write a number of reasonable size", file=file)]
     paths = {}
     if repeated or nonfinite:
-        paths = {id(v): p for p, v in _walk_json(value)}
+        paths = {id(v): p for p, v in walk_json(value)}
     problems = []
     if nonfinite:
         where = _nonfinite_positions(text)

@@ -164,16 +164,13 @@ def _problem(error) -> list[Problem]:
     return [Problem(path, error.message, schema.get("description", "see schemas/recipe.schema.json"))]
 
 
-def _nonfinite(value, path: str = "$") -> Iterable[Problem]:
+def _nonfinite(value) -> Iterable[Problem]:
     """NaN and infinities anywhere (a dict built in Python; recipe text with them never parses)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        yield Problem(path, f"{value} is not a finite number (JSON has no NaN or Infinity)", "write a finite number")
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _nonfinite(v, path + json_path([k])[1:])
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from _nonfinite(v, f"{path}[{i}]")
+    from .jsontext import walk_json
+
+    for path, v in walk_json(value):
+        if isinstance(v, float) and not math.isfinite(v):
+            yield Problem(path, f"{v} is not a finite number (JSON has no NaN or Infinity)", "write a finite number")
 
 
 def schema_problems(data: Any) -> list[Problem]:
