@@ -29,3 +29,16 @@ def test_overflowing_floats_and_repeated_keys_are_all_reported_together():
     assert _texts(problems) == [
         "$.lr: invalid JSON at line 1, column 8: 1e999 is not a finite number (it is too large for a float)",
         '$.zero: key "stage" appears more than once in this object (JSON keeps only the last, 2)']
+
+
+def test_nan_in_data_built_in_python_is_named_at_its_path():
+    """Recipe.from_dict / recipe_from_data never see text: the schema step names NaN and infinities itself."""
+    from plugin.checks import load_recipe
+    from plugin.recipe import recipe_from_data
+
+    data = load_recipe("cpu_dp4").to_dict()
+    data["optimizer"] = {**data["optimizer"], "lr": float("nan"), "betas": [0.9, float("inf")]}
+    recipe, problems = recipe_from_data(data, "r.json")
+    assert recipe is None
+    assert [p.path for p in problems if "not a finite number" in p.message] == ["$.optimizer.lr",
+                                                                                  "$.optimizer.betas[1]"]
