@@ -146,7 +146,12 @@ def main() -> None:
     cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "4", "--master_port", str(port),
            __file__, "--worker", "--steps", str(args.steps)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    finally:  # the hand-written engines never release DeepSpeed's shm buffers; the launch as a whole does
+        from plugin.engines.shm import release_shm_buffers_of_launch
+
+        release_shm_buffers_of_launch(port)
     lines = [l for l in out.stdout.splitlines() if l.startswith("BENCH ")]
     if out.returncode or not lines:
         sys.exit(f"benchmark failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")

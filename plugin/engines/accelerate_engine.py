@@ -103,7 +103,7 @@ class AccelerateEngine(Engine):
 
     def close(self) -> None:
         if self.mode == "deepspeed" and torch.distributed.is_initialized():
-            from .deepspeed import release_shm_buffer
+            from .shm import release_shm_buffer
 
             torch.distributed.barrier()
             release_shm_buffer(torch.distributed.get_rank())  # DeepSpeed's comm op leaks it (see there)

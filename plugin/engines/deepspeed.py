@@ -28,6 +28,7 @@ import torch
 from ..ds_config import to_ds_config
 from ..optim import build_optimizer, param_groups
 from .base import Engine
+from .shm import release_shm_buffer
 
 
 def _deepspeed_optimizer_builds(recipe, device: torch.device) -> bool:
@@ -111,23 +112,6 @@ def count_each_gradient_once(module, tp_rank: int) -> None:
     for p in module.parameters():
         if not getattr(p, "tensor_model_parallel", False):
             p.model_parallel = True
-
-
-def release_shm_buffer(rank: int) -> None:
-    """Unlink this rank's DeepSpeed CPU all-reduce buffer from /dev/shm.
-
-    On CPU with every rank on one node (``LOCAL_SIZE`` == world size: DeepSpeed's own launcher), DeepSpeed
-    0.19's shm comm op creates ``/dev/shm/deepspeed_allreduce_buffer_{uid}_{MASTER_ADDR}_{MASTER_PORT}_{rank}``
-    (about 68 MB) per rank and never unlinks it: every run leaks world x 68 MB of RAM-backed /dev/shm, and a
-    test suite fills the machine's memory. Call once no collective is left (the peers mapped it at start-up;
-    their mappings stay valid until they exit). Missing files (no shm op, other launchers) are fine.
-    """
-    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
-    try:
-        os.unlink(name)
-    except FileNotFoundError:
-        pass
 
 
 _MODEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # what DeepSpeed casts the module to

@@ -44,8 +44,9 @@ def launcher_argv(launcher: str, nproc: int) -> list[str]:
 def release_deepspeed_shm(port: str) -> None:
     """Remove the /dev/shm all-reduce buffers a `deepspeed` launch on this port left behind: DeepSpeed's CPU shm
     op never unlinks them (about 68 MB per rank, RAM-backed); the engine's close() does, a crashed run does not."""
-    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
-        path.unlink(missing_ok=True)
+    from plugin.engines.shm import release_shm_buffers_of_launch
+
+    release_shm_buffers_of_launch(port)
 
 
 def train(recipe, nproc: int, tmp: Path, *, launcher: str = "deepspeed", steps: int = 10, extra=(),
