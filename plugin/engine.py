@@ -134,5 +134,24 @@ def initialize(model, recipe: Union[Recipe, str, Path], *, loss_fn: Optional[Cal
         from .engines.accelerate_engine import build
     else:
         raise PluginError(f'unknown backend {backend!r} -> use "deepspeed", "accelerate" or "native"')
-    return build(model, recipe, layout, env, device=device, layers_of=layers_of, apply_tp=apply_tp,
-                 loss_for=loss_for)
+    engine = build(model, recipe, layout, env, device=device, layers_of=layers_of, apply_tp=apply_tp,
+                   loss_for=loss_for)
+    if env.is_main:  # here, not in each back end: every back end passes this line
+        print(f"{recipe.source or recipe.name}: {startup_line(engine)}", file=sys.stderr, flush=True)
+    return engine
+
+
+def startup_line(engine) -> str:
+    """What trains on what, printed by rank 0 once the engine exists: back end, device, process-group backend,
+    layout, precision and the torch build, so that a CUDA machine running a CPU-only torch shows
+    "on cpu, gloo" and "CPU-only build" before the first (slow) step."""
+    import torch
+    import torch.distributed as dist
+
+    d = engine.describe()
+    mode = getattr(engine, "mode", None)  # Accelerate's: ddp, deepspeed or fsdp
+    backend = d["backend"] + (f" ({mode})" if mode else "")
+    groups = dist.get_backend() if dist.is_initialized() else "no process group"
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
+    return (f"start: {backend} on {engine.device.type}, {groups}, data {d['data']} x tensor {d['tensor']} x "
+            f"pipeline {d['pipeline']}, ZeRO-{d['zero']}, {d['precision']} (torch {torch.__version__}, {build})")
