@@ -12,7 +12,9 @@ The Accelerator is fed from the recipe, not from the launch flags:
   ``HfDeepSpeedConfig``): a ``DeepSpeedPlugin`` whose config is the recipe's export
   (:func:`plugin.engines.deepspeed.engine_config`) with the recipe's torch optimizer. On CPU this needs
   ``InitProcessGroupKwargs(backend="gloo")`` and ``cpu=False`` with ``ACCELERATE_USE_CPU`` cleared in this
-  process (Accelerate otherwise drops the plugin and runs plain DDP, silently).
+  process (Accelerate otherwise drops the plugin and runs plain DDP, silently). Under bf16/fp16 DeepSpeed casts
+  the model and Accelerate adds no autocast: floating inputs are cast to the model's dtype as they enter
+  (:attr:`~plugin.engines.base.Engine.input_dtype`, as on the DeepSpeed engine).
 * ``"fsdp"`` (ZeRO-2/3 on CUDA without deepspeed or transformers):
   ``FullyShardedDataParallelPlugin(fsdp_version=2)``, ``reshard_after_forward`` for ZeRO-3, CPU offload from
   the recipe, each transformer layer class wrapped.
@@ -66,6 +68,11 @@ class AccelerateEngine(Engine):
         self.loss_fn, self.mode = loss_fn, mode
         self.progress = _Progress()
         accelerator.register_for_checkpointing(self.progress)
+        if mode == "deepspeed":
+            # DeepSpeed casts the module to bf16/fp16 itself and Accelerate does not autocast around it: float
+            # inputs must come in that dtype (as on the DeepSpeed engine). Asked of the engine, not re-derived.
+            model_dtype, _ = accelerator.deepspeed_engine_wrapped.engine.get_data_types()
+            self.input_dtype = None if model_dtype == torch.float32 else model_dtype
 
     def train_step(self, batch) -> float:
         acc, clip = self.accelerator, float(self.recipe.gradient_clipping)
