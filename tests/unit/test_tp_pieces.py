@@ -74,6 +74,30 @@ def test_gpt_config_from_recipe_model_and_its_errors():
         GPTConfig.from_recipe_model(Model(layers=1, hidden=8, heads=2, vocab=10, seq_len=4), colour="red")
 
 
+def _gpt_by_hand(model, tokens):
+    """The reference GPT's function written out from its parameters in plain tensor math: no module of the model
+    runs, attention is an explicit causal softmax (not scaled_dot_product_attention), and the fused qkv rows are
+    read in the documented order (per key/value group: its query heads, then its key head, then its value head)."""
+    c, w = model.config, dict(model.named_parameters())
+    b, s = tokens.shape
+    d, q_per_kv, groups = c.head_dim, c.q_per_kv, c.kv_heads_resolved
+    x = w["embed.weight"][tokens] + w["pos_embed.weight"][:s]  # [b, s, hidden]
+    future = torch.ones(s, s, dtype=torch.bool).triu(1)
+    for i in range(c.layers):
+        p = {k[len(f"blocks.{i}."):]: v for k, v in w.items() if k.startswith(f"blocks.{i}.")}
+        h = F.layer_norm(x, (c.hidden,), p["ln1.weight"], p["ln1.bias"], c.norm_eps)
+        qkv = (h @ p["attn.qkv.weight"].T + p["attn.qkv.bias"]).view(b, s, groups, q_per_kv + 2, d)
+        q, k, v = qkv[..., :q_per_kv, :], qkv[..., q_per_kv, :], qkv[..., q_per_kv + 1, :]
+        scores = torch.einsum("bsgqd,btgd->bgqst", q, k) / d ** 0.5
+        attn = scores.masked_fill(future, float("-inf")).softmax(-1)
+        y = torch.einsum("bgqst,btgd->bsgqd", attn, v).reshape(b, s, c.heads * d)
+        x = x + y @ p["attn.proj.weight"].T + p["attn.proj.bias"]
+        h = F.layer_norm(x, (c.hidden,), p["ln2.weight"], p["ln2.bias"], c.norm_eps)
+        x = x + F.gelu(h @ p["mlp.fc.weight"].T + p["mlp.fc.bias"]) @ p["mlp.proj.weight"].T + p["mlp.proj.bias"]
+    x = F.layer_norm(x, (c.hidden,), w["norm.weight"], w["norm.bias"], c.norm_eps)
+    return x @ w["head.weight"].T
+
+
 def test_gpt_is_deterministic_and_its_layers_compose_to_it():
     config = GPTConfig(vocab=50, hidden=16, layers=2, heads=4, kv_heads=2, seq_len=8)
     torch.manual_seed(3)
@@ -89,7 +113,11 @@ def test_gpt_is_deterministic_and_its_layers_compose_to_it():
         assert isinstance(x, torch.Tensor)
         x = layer(x)
     assert x.shape == (3, 8, 50)
-    torch.testing.assert_close(x, a(tokens), rtol=0, atol=0)
+    with torch.no_grad():
+        want = _gpt_by_hand(a, tokens)
+    # forward is the same loop over to_layers(): both are checked against the independent computation
+    torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a(tokens), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="more than the configured seq_len 8"):
         a(torch.randint(0, 50, (1, 9)))
 
