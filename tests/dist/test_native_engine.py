@@ -6,7 +6,8 @@ processes (``plugin.initialize(..., backend="native")``, so it runs with or with
   rtol 1e-4, with an evaluation between the first two), and the global gradient norm of the first step equal
   to the single-process norm;
 * bf16 (autocast with DDP / pipeline stages, MixedPrecisionPolicy with FSDP2) and fp16 (the same plus
-  ShardedGradScaler): 3 steps that track the fp32 losses (bf16 within 1%, fp16 within 0.5%);
+  ShardedGradScaler): 3 steps that track the fp32 losses (bf16 within 1%, fp16 within 0.5%), with every linear
+  layer multiplying in that dtype (losses alone cannot tell: a run silently in fp32 tracks them too);
 * activation checkpointing with dropout under tensor and sequence parallelism: the same losses as without,
   and other losses than with dropout 0 (so dropout really drew masks);
 * what each rank holds (``state_bytes``), taken inside the second step's optimizer step (gradients and Adam's
@@ -44,6 +45,7 @@ LOW = {  # name -> (base recipe, blocks, precision, rtol against fp32)
     "fp16_tp2_dp2_zero3": ("cpu_tp2_dp2", {"zero": {"stage": 3}}, "fp16", 5e-3),
     "fp16_tp2_pp2": ("cpu_tp2_pp2", {}, "fp16", 5e-3),
 }
+COMPUTE_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
 
 
 def _recipe(base, blocks, precision="fp32"):
@@ -103,13 +105,32 @@ def _all_sharded(engine) -> bool:
     return all(isinstance(p, DTensor) for p in engine.wrapped.parameters())
 
 
-def _train(recipe, measure=False):
+def _record_linear_dtypes(module, seen: set) -> None:
+    """Add to ``seen`` the dtype each linear layer of ``module`` (this rank's part: plain, column, row and
+    vocabulary-parallel) multiplies in as it runs: autocast's dtype where autocast is on (linear is on its
+    lower-precision list), else its weight's (FSDP2's MixedPrecisionPolicy casts the weights for forward).
+    Not the output's dtype: a row-parallel layer adds its fp32 bias after the reduction, and autocast leaves an
+    add to type promotion (fp32)."""
+    def hook(layer, inputs, output):
+        device = inputs[0].device.type
+        autocast = torch.is_autocast_enabled(device)
+        seen.add(str(torch.get_autocast_dtype(device) if autocast else layer.weight.dtype))
+
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear) or type(m).__name__.endswith("ParallelLinear"):
+            m.register_forward_hook(hook)
+
+
+def _train(recipe, measure=False, dtypes=None):
+    """``dtypes``: a set the linear layers' output dtypes of the whole run (steps and evaluation) are added to."""
     import plugin
     from plugin.data import TextBatches
     from plugin.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     engine = plugin.initialize(GPT(GPTConfig.from_recipe_model(recipe.model)), recipe, backend="native")
+    if dtypes is not None:
+        _record_linear_dtypes(engine.module, dtypes)
     data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
     losses, norm, held, sharded_after_eval = [], None, None, None
     for step in range(STEPS):
@@ -145,14 +166,15 @@ def _run_all(rank, world_size):
         engine, out[f"dropout_{p}_checkpoint_{interval}"], _ = _train(recipe)
         out["tp_stream"] = (engine.groups.pp_rank, engine.groups.tp_rank, _tp_stream_seed(engine))
     for name, (base, blocks) in FP32.items():
-        recipe = _recipe(base, blocks)
-        _, losses, norm = _train(recipe)
-        out[name] = (losses, norm, _reference(recipe))
+        recipe, dtypes = _recipe(base, blocks), set()
+        _, losses, norm = _train(recipe, dtypes=dtypes)
+        out[name] = (losses, norm, _reference(recipe), dtypes)
     for name, (base, blocks, precision, _) in LOW.items():
         if base not in references:
             references[base] = _reference(_recipe(base, {}))
-        _, losses, _ = _train(_recipe(base, blocks, precision))
-        out[name] = (losses, None, references[base])
+        dtypes = set()
+        _, losses, _ = _train(_recipe(base, blocks, precision), dtypes=dtypes)
+        out[name] = (losses, None, references[base], dtypes)
     for stage in (0, 1, 2, 3):
         out[f"bytes_zero{stage}"], out[f"sharded_after_eval_zero{stage}"] = \
             _train(_recipe("cpu_dp4", {"zero": {"stage": stage}}), measure=True)
@@ -167,7 +189,8 @@ def results():
 @pytest.mark.parametrize("name", list(FP32))
 def test_fp32_layouts_match_one_process(name, results):
     for rank, out in enumerate(results):
-        losses, norm, (want, want_norm) = out[name]
+        losses, norm, (want, want_norm), dtypes = out[name]
+        assert dtypes == {"torch.float32"}, f"rank {rank}: linear layers computed in {dtypes}"
         assert losses == pytest.approx(want, rel=1e-4), f"rank {rank}"
         assert norm == pytest.approx(want_norm, rel=1e-4), f"rank {rank}: global norm {norm} != {want_norm}"
         assert want_norm > 1.0, "the reference must clip, or the norm proves little"
@@ -175,9 +198,12 @@ def test_fp32_layouts_match_one_process(name, results):
 
 @pytest.mark.parametrize("name", list(LOW))
 def test_low_precision_tracks_fp32(name, results):
-    rtol = LOW[name][3]
+    """Computed in the recipe's dtype (every linear layer on every rank: tracking the fp32 losses alone cannot
+    tell a run that silently stayed in fp32), and still tracking the fp32 losses."""
+    precision, rtol = LOW[name][2:]
     for rank, out in enumerate(results):
-        losses, _, (want, _) = out[name]
+        losses, _, (want, _), dtypes = out[name]
+        assert dtypes == {COMPUTE_DTYPE[precision]}, f"rank {rank}: {precision}, linear layers computed in {dtypes}"
         assert losses == pytest.approx(want, rel=rtol), f"rank {rank}: {losses} vs fp32 {want}"
         assert losses[-1] < losses[0], f"rank {rank}: {losses} does not learn"
     assert len({tuple(out[name][0]) for out in results}) == 1, "every rank reports the same loss"
