@@ -15,8 +15,9 @@ peers agree raise too, instead of hanging in their next collective with the repl
 A digest is exact integer arithmetic on the tensor's bits (no float rounding, NaN equals itself): the bits
 read as integers of the element's width, times fixed pseudo-random odd 64-bit weights, one per position,
 summed modulo 2**64 (int64 wrap-around, the same whatever the reduction order or thread count). Position
-matters, so a permutation of rows or a window shifted by one token changes it; two different tensors of equal
-shape collide with probability about 2**-64.
+matters, so a permutation of rows or a window shifted by one token changes it; a single changed element always
+does (an odd weight times a non-zero difference is non-zero modulo 2**64), and unrelated rows collide only if
+their weighted differences cancel modulo 2**64.
 """
 from __future__ import annotations
 
