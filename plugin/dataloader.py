@@ -99,13 +99,12 @@ class StepLoader:
     def __iter__(self) -> Iterator[Any]:
         self._normalise()
         epoch, first = self.epoch, self.step
-        plan = [self.indices(epoch, s) for s in range(first, len(self))]
         from torch.utils.data import DataLoader
 
         # A generator of our own: DataLoader otherwise draws its workers' base seed from torch's default
         # generator at every iteration, shifting the caller's dropout masks by how often it iterates.
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch * 1_009 + first) % 2 ** 64)
-        loader = DataLoader(self.dataset, batch_sampler=plan, collate_fn=self.collate_fn,
+        loader = DataLoader(self.dataset, batch_sampler=_Plan(self, epoch, first), collate_fn=self.collate_fn,
                             num_workers=self.num_workers, generator=gen)
         for batch in loader:
             if (self.epoch, self.step) != (epoch, first):
@@ -136,3 +135,18 @@ class StepLoader:
                               " -> resume with the same dataset, batch.global, seed and shuffle")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
         self._normalise()
+
+
+class _Plan:
+    """The index lists of an epoch's remaining steps, drawn lazily (DataLoader's ``batch_sampler``): a long
+    epoch is not held as Python lists up front."""
+
+    def __init__(self, loader: StepLoader, epoch: int, first: int):
+        self.loader, self.epoch, self.first = loader, epoch, first
+
+    def __len__(self) -> int:
+        return len(self.loader) - self.first
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.first, len(self.loader)):
+            yield self.loader.indices(self.epoch, step)
