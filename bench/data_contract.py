@@ -8,7 +8,9 @@ step is timed between barriers. The table gives the median step time of each, th
 alone: the median of ``--calls`` calls of :func:`plugin.data_contract.check_same_rows` on a step's share,
 each entered together (after a barrier), in ms and as a share of the step without it. "paired diff" is the
 mean of (a step with it - the next step without), rank 0, +- two standard errors: on a shared 2-core machine
-the step-to-step noise (several ms) is larger than the check, so the check's own time is the figure.
+the step-to-step noise (several ms) is larger than the check, so the check's own time is the figure. "barrier":
+one ``dist.barrier()`` over the world, the floor of any check after which every rank knows every replica's
+verdict (a world round-trip); the check is that round plus the fingerprint.
 
 Usage: python bench/data_contract.py [--steps 30] [--calls 200]   (relaunches itself under torchrun)
 """
@@ -60,7 +62,7 @@ def worker(steps: int, calls: int) -> None:
         engine.check_peer_rows = True
         share = engine.local_batch(data.global_batch(0, lay.global_batch))
         local_rows = lay.micro_batch * lay.grad_accum
-        alone, prints = [], []
+        alone, prints, barriers = [], [], []
         for _ in range(calls):
             dist.barrier()
             start = time.perf_counter()
@@ -70,14 +72,19 @@ def worker(steps: int, calls: int) -> None:
             start = time.perf_counter()
             fingerprint(share, local_rows)
             prints.append(time.perf_counter() - start)
+            dist.barrier()
+            start = time.perf_counter()
+            dist.barrier()  # the floor: any check after which every rank knows every replica's verdict is a round
+            barriers.append(time.perf_counter() - start)
         pairs = [a - b for a, b in zip(times[True], times[False])]  # each step with it minus the next without
         mine = {"backend": backend, "with": statistics.median(times[True]), "without": statistics.median(times[False]),
                 "diff": statistics.mean(pairs), "diff_se": statistics.stdev(pairs) / len(pairs) ** 0.5,
-                "check": statistics.median(alone), "fingerprint": statistics.median(prints)}
+                "check": statistics.median(alone), "fingerprint": statistics.median(prints),
+                "barrier": statistics.median(barriers)}
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         # the step is as long as its slowest rank; the check's figures: the larger over ranks
-        rows.append({**{k: max(g[k] for g in gathered) for k in ("with", "without", "check", "fingerprint")},
+        rows.append({**{k: max(g[k] for g in gathered) for k in ("with", "without", "check", "fingerprint", "barrier")},
                      "backend": backend, "diff": gathered[0]["diff"], "diff_se": gathered[0]["diff_se"]})
         last = engine
     if dist.get_rank() == 0:
@@ -103,12 +110,12 @@ def main() -> None:
     print(f"\nThe data contract's check on {RECIPE} (4 CPU processes, gloo): median of {args.steps} steps with it and "
           f"{args.steps} without, alternating; the check alone: median of {args.calls} calls (the larger over ranks)\n")
     print(f"{'back end':<11}{'step without ms':>16}{'with ms':>10}{'ratio':>8}{'paired diff ms':>18}"
-          f"{'check alone ms':>16}{'% of step':>11}{'fingerprint ms':>16}")
+          f"{'check alone ms':>16}{'% of step':>11}{'fingerprint ms':>16}{'barrier ms':>12}")
     for r in json.loads(found[-1]):
         diff = f"{1e3 * r['diff']:+.1f} +- {2e3 * r['diff_se']:.1f}"
         print(f"{r['backend']:<11}{1e3 * r['without']:>16.1f}{1e3 * r['with']:>10.1f}{r['with'] / r['without']:>8.3f}"
               f"{diff:>18}{1e3 * r['check']:>16.3f}{100 * r['check'] / r['without']:>10.2f}%"
-              f"{1e3 * r['fingerprint']:>16.3f}")
+              f"{1e3 * r['fingerprint']:>16.3f}{1e3 * r['barrier']:>12.3f}")
 
 
 if __name__ == "__main__":

@@ -196,3 +196,29 @@ def test_collate_fn_output_is_yielded_as_it_returns_it():
 
     ld = StepLoader(_rows(8), global_batch=4, data_rank=1, data_size=2, shuffle=False, collate_fn=as_dict)
     assert list(ld) == [{"ids": [2, 3]}, {"ids": [6, 7]}]
+
+
+def test_the_fast_verdict_agrees_with_the_message_on_every_kind_of_case():
+    """check_same_rows decides with all_agree (tensor ops) and only then builds the message: both must agree."""
+    from plugin.data_contract import all_agree
+
+    topo = Topology(pp_size=2, dp_size=3, tp_size=2)
+    x, y = _tokens()
+    good = {d: (x.roll(d, 0), y.roll(d, 0)) for d in range(3)}
+    cases = {
+        "agree": lambda r: good[topo.coord(r).dp],
+        "one tensor rank": lambda r: (x.flip(0), y) if r == topo.rank(1, 2, 1) else good[topo.coord(r).dp],
+        "one stage's labels": lambda r: (good[0][0], y.flip(0)) if topo.coord(r) == (1, 0, 0) else
+        good[topo.coord(r).dp],
+        "per process": lambda r: _tokens(seed=r),
+    }
+    for name, batch_of in cases.items():
+        values = _values(topo, batch_of)
+        table = torch.tensor(values, dtype=torch.int64).reshape(-1)
+        message = mismatch_message(values, topo, call="train_step", global_rows=24, local_rows=8)
+        assert all_agree(table, topo, global_rows=24, local_rows=8) == (message is None), name
+    values = _values(topo, cases["agree"])
+    values[5] = fingerprint(None, 3).tolist()
+    assert not all_agree(torch.tensor(values).reshape(-1), topo, global_rows=24, local_rows=8)
+    values[5] = fingerprint(cases["agree"](5), 24).tolist()[:1] + values[4][1:]  # the global batch given: fine
+    assert all_agree(torch.tensor(values).reshape(-1), topo, global_rows=24, local_rows=8)
