@@ -3,11 +3,12 @@
 Every ``train_step`` of a layout with tensor or pipeline > 1 fingerprints this rank's rows and all-gathers the
 fingerprints over the world (:mod:`plugin.data_contract`). Here, under torchrun with 4 CPU processes (gloo), each
 back end (native, and DeepSpeed where installed) trains cpu_tp2_dp2 on the same global batches, the check on
-and off (``engine.check_peer_rows``) on alternating steps, so both halves see the same machine load; each
+and off (``engine.check_peer_rows``) in pairs of consecutive steps, each pair in a random order (the same on
+every rank), so both halves see the same machine load; each
 step is timed between barriers. The table gives the median step time of each, their ratio, and the check
 alone: the median of ``--calls`` calls of :func:`plugin.data_contract.check_same_rows` on a step's share,
 each entered together (after a barrier), in ms and as a share of the step without it. "paired diff" is the
-mean of (a step with it - the next step without), rank 0, +- two standard errors: on a shared 2-core machine
+mean over pairs of (the step with it - the step without), rank 0, +- two standard errors: on a shared 2-core machine
 the step-to-step noise (several ms) is larger than the check, so the check's own time is the figure. "barrier":
 one ``dist.barrier()`` over the world, the floor of any check after which every rank knows every replica's
 verdict (a world round-trip); the check is that round plus the fingerprint.
@@ -20,6 +21,7 @@ import argparse
 import importlib.util
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -49,8 +51,11 @@ def worker(steps: int, calls: int) -> None:
         lay = engine.layout
         data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
         times = {True: [], False: []}
-        for step in range(2 * steps + WARMUP):
-            check = step % 2 == 0
+        order = random.Random(0)  # the same on every rank: each pair of steps in a random order, so that a
+        plan = [True] * WARMUP  # pattern of the machine's own (even and odd steps differ here) cannot pose as cost
+        for _ in range(steps):
+            plan += [True, False] if order.random() < 0.5 else [False, True]
+        for step, check in enumerate(plan):
             engine.check_peer_rows = check
             batch = data.global_batch(step, lay.global_batch)
             dist.barrier()
@@ -76,7 +81,7 @@ def worker(steps: int, calls: int) -> None:
             start = time.perf_counter()
             dist.barrier()  # the floor: any check after which every rank knows every replica's verdict is a round
             barriers.append(time.perf_counter() - start)
-        pairs = [a - b for a, b in zip(times[True], times[False])]  # each step with it minus the next without
+        pairs = [a - b for a, b in zip(times[True], times[False])]  # with it minus without, pair by pair
         mine = {"backend": backend, "with": statistics.median(times[True]), "without": statistics.median(times[False]),
                 "diff": statistics.mean(pairs), "diff_se": statistics.stdev(pairs) / len(pairs) ** 0.5,
                 "check": statistics.median(alone), "fingerprint": statistics.median(prints),
@@ -108,7 +113,7 @@ def main() -> None:
     if out.returncode or not found:
         sys.exit(f"benchmark failed ({out.returncode})\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     print(f"\nThe data contract's check on {RECIPE} (4 CPU processes, gloo): median of {args.steps} steps with it and "
-          f"{args.steps} without, alternating; the check alone: median of {args.calls} calls (the larger over ranks)\n")
+          f"{args.steps} without, in pairs; the check alone: median of {args.calls} calls (the larger over ranks)\n")
     print(f"{'back end':<11}{'step without ms':>16}{'with ms':>10}{'ratio':>8}{'paired diff ms':>18}"
           f"{'check alone ms':>16}{'% of step':>11}{'fingerprint ms':>16}{'barrier ms':>12}")
     for r in json.loads(found[-1]):
