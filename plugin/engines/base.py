@@ -3,6 +3,11 @@
 ``train_step(batch)`` takes the global batch (``global`` rows) or this data rank's share
 (``micro x grad_accum`` rows) as an ``(inputs, labels)`` pair, runs ``grad_accum`` micro-batches and one
 optimizer step, and returns the mean loss over the whole global batch: the same float on every rank.
+
+The data contract (:mod:`plugin.data_contract`): the ranks of one model replica (tensor peers, pipeline stages)
+must hold the same rows. Every back end reaches its batch through :meth:`Engine.local_batch` (directly, or
+through :meth:`Engine.micro_batches`), which checks it on every step of a layout with tensor or pipeline > 1,
+so one check covers them all. :meth:`Engine.dataloader` yields rows that keep it.
 """
 from __future__ import annotations
 
@@ -14,12 +19,15 @@ import torch
 import torch.distributed as dist
 
 from ..data import micro_batches, shard_rows
+from ..data_contract import check_same_rows
 
 
 class Engine(abc.ABC):
     """A model sharded per a recipe, with its optimizer, ready to train."""
 
     backend: str = "?"
+    # The data contract's check (local_batch); bench/data_contract.py turns it off to time what it costs.
+    check_peer_rows: bool = True
     # The dtype floating inputs must have on entering the module: None keeps them as given (fp32, or autocast
     # in the back end); a back end that casts the model itself to bf16/fp16 (DeepSpeed) sets it.
     input_dtype: Optional[torch.dtype] = None
@@ -69,6 +77,33 @@ class Engine(abc.ABC):
         return self.groups.get_data_parallel_rank()
 
     @property
+    def data_rank(self) -> int:
+        """This rank's data-parallel coordinate: which share of the global batch it trains on (its tensor and
+        pipeline peers share it). For sharding by hand: ``DistributedSampler(dataset,
+        num_replicas=engine.data_size, rank=engine.data_rank)``."""
+        return self.groups.get_data_parallel_rank()
+
+    @property
+    def data_size(self) -> int:
+        """The number of data-parallel replicas (the recipe's data degree), not the number of processes."""
+        return self.layout.data
+
+    def dataloader(self, dataset, *, shuffle: bool = True, seed: int = 0, collate_fn: Optional[Callable] = None,
+                   num_workers: int = 0):
+        """This data rank's rows of ``dataset`` for each step: a :class:`plugin.dataloader.StepLoader`.
+
+        Each step's rows over all data ranks are one global batch, the same whatever the layout (a run on any
+        layout gives the losses of one process on the same dataset); tensor and pipeline peers get the same
+        rows. Shuffled per epoch from ``seed`` and the epoch; an incomplete last global batch is dropped; its
+        ``state_dict()`` resumes mid-epoch. See :class:`~plugin.dataloader.StepLoader`.
+        """
+        from ..dataloader import StepLoader
+
+        return StepLoader(dataset, global_batch=self.layout.global_batch, data_rank=self.data_rank,
+                          data_size=self.data_size, shuffle=shuffle, seed=seed, collate_fn=collate_fn,
+                          num_workers=num_workers)
+
+    @property
     def rank(self) -> int:
         """This process's global rank (0 in a world of one)."""
         return dist.get_rank() if dist.is_initialized() else 0
@@ -85,22 +120,34 @@ class Engine(abc.ABC):
             inputs = inputs.to(self.input_dtype)
         return inputs
 
-    def local_batch(self, batch):
+    def local_batch(self, batch, call: Optional[str] = None):
         """This data rank's share of ``batch`` (given whole, or already split), on the engine's device, its
-        inputs as the module takes them (:meth:`to_inputs`); labels keep their dtype."""
-        rows = batch[0].shape[0]
-        local_rows = self.layout.micro_batch * self.layout.grad_accum
-        if rows == self.layout.global_batch and rows != local_rows:
-            batch = shard_rows(batch, self.dp_rank, self.layout.data)
-        elif rows != local_rows:
-            raise ValueError(f"train_step got {rows} rows; expected the global batch ({self.layout.global_batch}) "
-                             f"or this rank's share (micro {self.layout.micro_batch} x grad_accum "
-                             f"{self.layout.grad_accum} = {local_rows})")
-        inputs, *rest = batch
-        return (self.to_inputs(inputs), *(t.to(self.device, non_blocking=True) for t in rest))
+        inputs as the module takes them (:meth:`to_inputs`); labels keep their dtype.
 
-    def micro_batches(self, batch) -> list:
-        return micro_batches(self.local_batch(batch), self.layout.grad_accum)
+        With tensor or pipeline > 1, the share's fingerprint is compared over the model replica first
+        (:func:`plugin.data_contract.check_same_rows`, one all-gather of 3 int64 per rank over the world): a
+        mismatch, or a wrong row count on any rank, raises on every rank before anything is trained."""
+        call = call or ("train_step" if torch.is_grad_enabled() else "eval_step")  # every eval_step runs no_grad
+        rows = batch[0].shape[0]
+        lay = self.layout
+        local_rows = lay.micro_batch * lay.grad_accum
+        wrong = None
+        if rows == lay.global_batch and rows != local_rows:
+            batch = shard_rows(batch, self.dp_rank, lay.data)
+        elif rows != local_rows:
+            wrong = (f"{call} got {rows} rows; expected the global batch ({lay.global_batch}) or this rank's share "
+                     f"(micro {lay.micro_batch} x grad_accum {lay.grad_accum} = {local_rows})")
+        inputs, *rest = batch
+        inputs, rest = inputs.to(self.device, non_blocking=True), [t.to(self.device, non_blocking=True) for t in rest]
+        if lay.tensor * lay.pipeline > 1 and self.check_peer_rows:  # no peers at tensor = pipeline = 1
+            check_same_rows(None if wrong else (inputs, *rest), rows, self.topology, call=call,
+                            global_rows=lay.global_batch, local_rows=local_rows, device=self.device)
+        if wrong:
+            raise ValueError(wrong)
+        return (self.to_inputs(inputs), *rest)
+
+    def micro_batches(self, batch, call: Optional[str] = None) -> list:
+        return micro_batches(self.local_batch(batch, call), self.layout.grad_accum)
 
     def mean_over_data(self, value: torch.Tensor) -> float:
         """Average a per-rank scalar over the data-parallel group (tensor/pipeline peers hold the same)."""

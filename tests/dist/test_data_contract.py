@@ -1,0 +1,209 @@
+"""The data contract on real engines, 4 gloo processes (issue 10, item 2).
+
+* The tutorials' mistake, ``DataLoader(dataset, sampler=DistributedSampler(dataset))`` (num_replicas = the
+  world size, so every process its own rows), under a tensor x data layout (cpu_tp2_dp2) and a pipeline x data
+  layout (cpu_pp2_dp2): ``train_step`` (and ``eval_step``) raise a PluginError on every rank of the world within
+  seconds, naming the peers and the fix; so does one rank alone giving too few rows; the engine then trains on
+  correct rows (nothing was half-done, no rank hangs). On the native back end (also in the no-DeepSpeed suite) and on DeepSpeed (its mpu path and its
+  PipelineModule).
+* ``engine.dataloader(dataset)`` on both layouts (native): 4 steps (3 per epoch, so the second epoch's reshuffle
+  is in) give the losses of one process training on the same dataset's global batches, and on the pipeline a
+  resume from step 2 (engine checkpoint plus the loader's state, read through 1 worker process) gives the
+  uninterrupted steps 3 and 4.
+
+The reference is computed in each rank: the same GPT from the same seed, AdamW and clipping per the recipe,
+on the whole global batch.
+"""
+import functools
+import time
+
+import pytest
+import torch
+
+from .spawn import run
+
+pytestmark = pytest.mark.dist
+
+ROWS, STEPS, SEED = 48, 4, 7  # 48 rows / global 16: 3 steps per epoch
+LAYOUTS = ("cpu_tp2_dp2", "cpu_pp2_dp2")
+
+
+def _recipe(name):
+    from plugin.checks import load_recipe
+    from plugin.recipe import Recipe
+
+    data = load_recipe(name).to_dict()
+    data["model"] = {**data["model"], "layers": 2}  # smaller: the rows, not the model, are under test
+    return Recipe.from_dict(data)
+
+
+def _dataset(recipe):
+    from plugin.data import TextBatches
+
+    x, y = TextBatches(recipe.model.vocab, recipe.model.seq_len, seed=3).global_batch(0, ROWS)
+    return list(zip(x, y))  # a map-style dataset of (inputs, labels) rows
+
+
+def _engine(recipe, backend):
+    import plugin
+    from plugin.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return plugin.initialize(GPT(GPTConfig.from_recipe_model(recipe.model)), recipe, backend=backend)
+
+
+def _reference(recipe, dataset) -> list[float]:
+    """One process on the whole global batches of the same loader (data rank 0 of 1)."""
+    from plugin.dataloader import StepLoader
+    from plugin.models.gpt import GPT, GPTConfig, gpt_loss
+    from plugin.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_recipe_model(recipe.model))
+    opt = build_optimizer(model.parameters(), recipe.optimizer)
+    losses = []
+    for _, (x, y) in zip(range(STEPS), StepLoader(dataset, global_batch=recipe.layout().global_batch,
+                                                  data_rank=0, data_size=1, seed=SEED).stream()):
+        loss = gpt_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.gradient_clipping)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def _refusals(engine, dataset, calls=("train_step",)) -> dict:
+    """The tutorials' sharding, fed to each of ``calls``, and train_step with too few rows on rank 3 alone
+    ("short"): {case: (error type, message, seconds, a PluginError?)}."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from plugin.errors import PluginError
+
+    share = engine.layout.global_batch // engine.data_size  # the row count train_step accepts as a share
+    batch = next(iter(DataLoader(dataset, batch_size=share, sampler=DistributedSampler(dataset))))
+    short = [t[:share - 3] for t in batch] if engine.rank == 3 else batch  # rank 3 alone: too few rows
+    cases = {call: functools.partial(getattr(engine, call), batch) for call in calls}
+    cases["short"] = functools.partial(engine.train_step, short)
+    out = {}
+    for call, fn in cases.items():
+        start = time.perf_counter()
+        try:
+            fn()
+            out[call] = (None, "not refused", time.perf_counter() - start, False)
+        except Exception as e:  # the type is asserted by the test
+            out[call] = (type(e).__name__, str(e), time.perf_counter() - start, isinstance(e, PluginError))
+    return out
+
+
+def _native(rank, world_size, directory):
+    out, references = {}, {}
+    for name in LAYOUTS:
+        recipe = _recipe(name)
+        dataset = _dataset(recipe)
+        engine = _engine(recipe, "native")
+        refused = _refusals(engine, dataset, ("train_step", "eval_step"))
+        loader = engine.dataloader(dataset, seed=SEED, num_workers=1 if name == "cpu_pp2_dp2" else 0)
+        losses = []
+        for step, batch in zip(range(STEPS), loader.stream()):
+            losses.append(engine.train_step(batch))
+            if step == 1 and name == "cpu_pp2_dp2":
+                engine.save(directory, client_state={"data": loader.state_dict()})
+        resumed = None
+        if name == "cpu_pp2_dp2":
+            engine = _engine(recipe, "native")
+            loader = engine.dataloader(dataset, seed=SEED, num_workers=1)
+            loader.load_state_dict(engine.load(directory)["data"])
+            resumed = [engine.train_step(b) for _, b in zip(range(STEPS - 2), loader.stream())]
+        key = repr((recipe.model, recipe.optimizer, recipe.gradient_clipping, recipe.layout().global_batch))
+        if key not in references:  # both layouts train the same model on the same global batches
+            references[key] = _reference(recipe, dataset)
+        out[name] = {"refused": refused, "losses": losses, "resumed": resumed, "reference": references[key],
+                     "data_rank": engine.data_rank, "data_size": engine.data_size}
+    return out
+
+
+def _deepspeed(rank, world_size):
+    import torch.distributed as dist
+
+    from plugin.data import TextBatches
+    from plugin.engines.shm import release_shm_buffer
+
+    out = {}
+    for name in LAYOUTS:
+        recipe = _recipe(name)
+        dataset = _dataset(recipe)
+        engine = _engine(recipe, "deepspeed")
+        refused = _refusals(engine, dataset)
+        whole = TextBatches(recipe.model.vocab, recipe.model.seq_len).global_batch(0, engine.layout.global_batch)
+        out[name] = {"refused": refused, "then": engine.train_step(whole)}  # the global batch is not refused
+    dist.barrier()
+    release_shm_buffer(rank)
+    return out
+
+
+# The peers each layout's message must name: rank 1's tensor peer (tp2 x dp2: ranks 2k, 2k+1); rank 0's
+# stage-1 peer (pp2 x dp2: ranks d and d + 2).
+PEERS = {"cpu_tp2_dp2": ["data rank 0: rank 0 (tensor 0) != rank 1 (tensor 1) (inputs and labels differ)",
+                         "data rank 1: rank 2 (tensor 0) != rank 3 (tensor 1) (inputs and labels differ)"],
+         "cpu_pp2_dp2": ["data rank 0: rank 0 (stage 0) != rank 2 (stage 1) (inputs and labels differ)",
+                         "data rank 1: rank 1 (stage 0) != rank 3 (stage 1) (inputs and labels differ)"]}
+
+
+def _check_refused(results, name, call):
+    messages = set()
+    for rank, out in enumerate(results):
+        kind, message, seconds, plugin_error = out[name]["refused"][call]
+        assert kind == "BatchMismatchError" and plugin_error, f"{name} rank {rank}: {call} {kind}: {message}"
+        assert seconds < 10, f"{name} rank {rank}: refused after {seconds:.1f} s"
+        messages.add(message)
+    assert len(messages) == 1, f"{name}: every rank should say the same: {messages}"
+    message = messages.pop()
+    assert message.startswith(f"{call}: the ranks of one model replica were given different rows"), message
+    for line in PEERS[name]:
+        assert line in message, message
+    assert "DistributedSampler(dataset, num_replicas=engine.data_size, rank=engine.data_rank)" in message
+    assert "engine.dataloader(dataset)" in message and "give every rank the global batch (16 rows" in message
+
+
+def _check_short(results, name):
+    """Rank 3 alone gives 5 rows: every rank refuses, naming it (no rank enters the step to wait for it)."""
+    for rank, out in enumerate(results):
+        kind, message, seconds, _ = out[name]["refused"]["short"]
+        assert kind == "BatchMismatchError", f"{name} rank {rank}: {kind}: {message}"
+        where = "tensor 1" if name == "cpu_tp2_dp2" else "stage 1"
+        assert message.startswith(f"train_step: rank 3 (data rank 1, {where}) got 5 rows; every rank takes the "
+                                  "global batch (16 rows) or its data rank's share"), message
+        assert seconds < 10, f"{name} rank {rank}: refused after {seconds:.1f} s"
+
+
+@pytest.mark.native
+def test_native_refuses_mismatched_peers_everywhere_and_its_loader_gives_one_process_losses(tmp_path):
+    results = run(_native, 4, str(tmp_path / "ckpt"), timeout_s=240)
+    for name in LAYOUTS:
+        for call in ("train_step", "eval_step"):
+            _check_refused(results, name, call)
+        _check_short(results, name)
+        assert [out[name]["data_size"] for out in results] == [2] * 4
+        for rank, out in enumerate(results):
+            r = out[name]
+            assert r["losses"] == pytest.approx(r["reference"], rel=1e-4), f"{name} rank {rank}"
+            assert r["reference"][-1] < r["reference"][0], "the reference must learn, or parity proves little"
+    assert [out["cpu_tp2_dp2"]["data_rank"] for out in results] == [0, 0, 1, 1]
+    assert [out["cpu_pp2_dp2"]["data_rank"] for out in results] == [0, 1, 0, 1]
+    for rank, out in enumerate(results):
+        r = out["cpu_pp2_dp2"]
+        assert r["resumed"] == pytest.approx(r["losses"][2:], rel=1e-6), f"rank {rank}: resumed mid-epoch"
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_refuses_mismatched_peers_everywhere():
+    from .needs import need
+
+    need("deepspeed")
+    results = run(_deepspeed, 4, timeout_s=240)
+    for name in LAYOUTS:
+        _check_refused(results, name, "train_step")
+        _check_short(results, name)
+        losses = [out[name]["then"] for out in results]
+        assert len(set(losses)) == 1 and losses[0] > 0, f"{name}: the global batch trains after the refusal"

@@ -1,0 +1,224 @@
+"""The data contract without processes: the batch fingerprint, the verdict every rank reaches from the gathered
+fingerprints (:func:`plugin.data_contract.mismatch_message`), and the step loader's rows (:mod:`plugin.dataloader`).
+The collectives and the engines are in tests/dist/test_data_contract*.py."""
+import pytest
+import torch
+
+from plugin.data import shard_rows
+from plugin.data_contract import digest, fingerprint, mismatch_message
+from plugin.dataloader import StepLoader
+from plugin.errors import PluginError
+from plugin.topology import Topology
+
+
+def _tokens(rows=8, seq=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 128, (rows, seq + 1), generator=g)
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+# ---------------------------------------------------------------------------- fingerprint
+def test_digest_sees_order_shifts_and_single_changes_but_not_copies():
+    x, y = _tokens()
+    base = int(digest(x))
+    assert int(digest(x.clone())) == base
+    assert int(digest(x[torch.randperm(8, generator=torch.Generator().manual_seed(1))])) != base  # rows permuted
+    assert int(digest(x.flip(0))) != base
+    assert int(digest(y)) != base  # the window shifted by one token
+    changed = x.clone()
+    changed[3, 7] += 1
+    assert int(digest(changed)) != base
+    assert int(digest(x.reshape(4, 32))) != base  # same bits, other shape
+    assert int(digest(x.to(torch.int32))) != int(digest(x))
+
+
+def test_digest_is_exact_on_floats_nan_included_and_on_non_contiguous_views():
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(2))
+    x[1, 1] = float("nan")
+    assert int(digest(x)) == int(digest(x.clone()))  # NaN equals itself: bits, not values, are compared
+    nudged = x.clone()
+    nudged[0, 0] = torch.nextafter(nudged[0, 0], torch.tensor(10.0))  # one ulp
+    assert int(digest(nudged)) != int(digest(x))
+    t = x.t()  # not contiguous
+    assert int(digest(t)) == int(digest(t.contiguous()))
+    for dtype in (torch.bfloat16, torch.float16, torch.float64, torch.bool, torch.uint8, torch.complex128):
+        v = x.nan_to_num().to(dtype)
+        assert int(digest(v)) == int(digest(v.clone())), dtype
+
+
+def test_fingerprint_covers_inputs_and_labels_apart():
+    x, y = _tokens()
+    fp = fingerprint((x, y), 8).tolist()
+    assert fp[0] == 8 and fingerprint((x.clone(), y.clone()), 8).tolist() == fp
+    other_y = y.roll(1, dims=0)  # labels of other rows: what a pipeline's last stage meets
+    got = fingerprint((x, other_y), 8).tolist()
+    assert got[1] == fp[1] and got[2] != fp[2]
+    assert fingerprint(None, 6).tolist() == [6, 0, 0]
+
+
+# ---------------------------------------------------------------------------- the verdict
+def _values(topology, batch_of_rank, rows=8):
+    return [fingerprint(batch_of_rank(r), rows).tolist() for r in range(topology.world_size)]
+
+
+def test_the_same_rows_on_every_peer_pass():
+    topo = Topology(pp_size=2, dp_size=2, tp_size=2)
+    shares = {d: _tokens(seed=d) for d in range(2)}  # data replicas differ, as they should
+    values = _values(topo, lambda r: shares[topo.coord(r).dp])
+    assert mismatch_message(values, topo, call="train_step", global_rows=16, local_rows=8) is None
+
+
+def test_distributed_sampler_over_the_world_is_named_with_peers_and_fix():
+    """DistributedSampler(dataset) under tp2 x dp2: each process its own rows, so the tensor pairs differ."""
+    topo = Topology(dp_size=2, tp_size=2)
+    values = _values(topo, lambda r: _tokens(seed=10 + r))
+    msg = mismatch_message(values, topo, call="train_step", global_rows=16, local_rows=8)
+    assert msg.startswith("train_step: the ranks of one model replica were given different rows")
+    assert "data rank 0: rank 0 (tensor 0) != rank 1 (tensor 1) (inputs and labels differ)" in msg
+    assert "data rank 1: rank 2 (tensor 0) != rank 3 (tensor 1) (inputs and labels differ)" in msg
+    assert "give every rank the global batch (16 rows" in msg and "engine.dataloader(dataset)" in msg
+    assert "DistributedSampler(dataset, num_replicas=engine.data_size, rank=engine.data_rank)" in msg
+    assert "data_size 2 here" in msg and "all 4 processes" in msg
+
+
+def test_a_pipeline_whose_last_stage_holds_other_labels_is_refused():
+    topo = Topology(pp_size=2, dp_size=2)
+    x, y = _tokens()
+    values = _values(topo, lambda r: (x, y) if topo.coord(r).pp == 0 or topo.coord(r).dp == 1 else (x, y.flip(0)))
+    msg = mismatch_message(values, topo, call="eval_step", global_rows=16, local_rows=8)
+    assert msg.startswith("eval_step:")
+    assert "data rank 0: rank 0 (stage 0) != rank 2 (stage 1) (labels differ)" in msg
+    assert "data rank 1" not in msg  # replica 1 is fine; its ranks raise all the same (every rank gets msg)
+
+
+def test_many_bad_replicas_are_counted_and_classes_grouped():
+    topo = Topology(pp_size=2, dp_size=5, tp_size=2)
+    values = _values(topo, lambda r: _tokens(seed=topo.coord(r).tp))  # stages agree, tensor ranks do not
+    msg = mismatch_message(values, topo, call="train_step", global_rows=40, local_rows=8)
+    first = topo.model_groups()[0]  # [0, 1, 10, 11]
+    assert (f"data rank 0: rank {first[0]} (stage 0, tensor 0) = rank {first[2]} (stage 1, tensor 0) != "
+            f"rank {first[1]} (stage 0, tensor 1) = rank {first[3]} (stage 1, tensor 1)") in msg
+    assert "and 2 more data rank(s)" in msg
+
+
+def test_a_wrong_row_count_on_one_rank_is_named_to_every_rank():
+    topo = Topology(dp_size=2, tp_size=2)
+    x, y = _tokens()
+    values = [fingerprint((x, y), 8).tolist()] * 4
+    values[3] = fingerprint(None, 5).tolist()
+    msg = mismatch_message(values, topo, call="train_step", global_rows=16, local_rows=8)
+    assert msg.startswith("train_step: rank 3 (data rank 1, tensor 1) got 5 rows; every rank takes the global "
+                          "batch (16 rows) or its data rank's share (micro x grad_accum = 8 rows)")
+
+
+# ---------------------------------------------------------------------------- the step loader
+def _rows(n):
+    return [(torch.tensor([i, i]), torch.tensor(i)) for i in range(n)]
+
+
+def _ids(batch):
+    inputs, labels = batch
+    assert torch.equal(inputs[:, 0], labels)  # default_collate kept each row's inputs with its labels
+    return labels.tolist()
+
+
+@pytest.mark.parametrize("data_size", [1, 2, 4])
+def test_the_union_over_data_ranks_is_one_global_batch_in_shard_rows_order(data_size):
+    data = _rows(37)  # 37 // 8 = 4 steps per epoch, 5 rows dropped
+    one = StepLoader(data, global_batch=8, data_rank=0, data_size=1, seed=5)
+    loaders = [StepLoader(data, global_batch=8, data_rank=d, data_size=data_size, seed=5) for d in range(data_size)]
+    assert len(one) == 4 and all(len(ld) == 4 for ld in loaders)
+    for epoch in range(3):  # epochs continue: every iteration is the next epoch
+        whole = [_ids(b) for b in one]
+        per_rank = [[_ids(b) for b in ld] for ld in loaders]
+        assert len(whole) == 4
+        for step, rows in enumerate(whole):
+            assert len(set(rows)) == 8
+            for d in range(data_size):
+                assert per_rank[d][step] == shard_rows(torch.tensor(rows), d, data_size).tolist()
+        seen = sorted(r for rows in whole for r in rows)
+        assert len(set(seen)) == 32 and set(seen) <= set(range(37))
+        if epoch == 0:
+            first_epoch = whole
+    assert whole != first_epoch  # reshuffled
+
+
+def test_unshuffled_order_and_the_docstring_s_dropped_tail():
+    ld = StepLoader(_rows(10), global_batch=4, data_rank=1, data_size=2, shuffle=False)
+    assert [_ids(b) for b in ld] == [[2, 3], [6, 7]]  # rows 8 and 9 never seen
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_mid_epoch_continues_with_the_uninterrupted_rows(num_workers):
+    data = _rows(24)  # 3 steps per epoch of 8
+    whole = StepLoader(data, global_batch=8, data_rank=1, data_size=2, seed=3, num_workers=num_workers)
+    it = whole.stream()
+    expected = [_ids(next(it)) for _ in range(5)]  # into the second epoch
+    first = StepLoader(data, global_batch=8, data_rank=1, data_size=2, seed=3, num_workers=num_workers)
+    it = iter(first)
+    got = [_ids(next(it)) for _ in range(2)]  # the workers read ahead; two were yielded
+    state = first.state_dict()
+    assert (state["epoch"], state["step"]) == (0, 2)
+    del it
+    resumed = StepLoader(data, global_batch=8, data_rank=0, data_size=1, seed=3)  # another layout's loader
+    resumed.load_state_dict(state)
+    again = StepLoader(data, global_batch=8, data_rank=1, data_size=2, seed=3, num_workers=num_workers)
+    again.load_state_dict(resumed.state_dict())
+    it = again.stream()
+    got += [_ids(next(it)) for _ in range(3)]
+    assert got == expected
+
+
+def test_a_loop_left_early_continues_where_it_stopped():
+    ld = StepLoader(_rows(16), global_batch=4, data_rank=0, data_size=1, shuffle=False)
+    for batch in ld:
+        break
+    assert [_ids(b) for b in ld] == [[4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert ld.state_dict()["epoch"] == 1 and ld.state_dict()["step"] == 0
+
+
+def test_loader_refusals():
+    with pytest.raises(PluginError, match="fewer than one global batch"):
+        StepLoader(_rows(3), global_batch=4, data_rank=0, data_size=1)
+    with pytest.raises(PluginError, match="map-style dataset"):
+        StepLoader(iter(_rows(8)), global_batch=4, data_rank=0, data_size=1)
+    ld = StepLoader(_rows(8), global_batch=4, data_rank=0, data_size=2)
+    state = ld.state_dict()
+    with pytest.raises(PluginError, match=r"seed 1 \(here 0\)"):
+        ld.load_state_dict({**state, "seed": 1})
+    with pytest.raises(PluginError, match=r"rows 9 \(here 8\)"):
+        ld.load_state_dict({**state, "rows": 9})
+
+
+def test_collate_fn_output_is_yielded_as_it_returns_it():
+    def as_dict(samples):
+        return {"ids": [int(s[1]) for s in samples]}
+
+    ld = StepLoader(_rows(8), global_batch=4, data_rank=1, data_size=2, shuffle=False, collate_fn=as_dict)
+    assert list(ld) == [{"ids": [2, 3]}, {"ids": [6, 7]}]
+
+
+def test_the_fast_verdict_agrees_with_the_message_on_every_kind_of_case():
+    """check_same_rows decides with all_agree (tensor ops) and only then builds the message: both must agree."""
+    from plugin.data_contract import all_agree
+
+    topo = Topology(pp_size=2, dp_size=3, tp_size=2)
+    x, y = _tokens()
+    good = {d: (x.roll(d, 0), y.roll(d, 0)) for d in range(3)}
+    cases = {
+        "agree": lambda r: good[topo.coord(r).dp],
+        "one tensor rank": lambda r: (x.flip(0), y) if r == topo.rank(1, 2, 1) else good[topo.coord(r).dp],
+        "one stage's labels": lambda r: (good[0][0], y.flip(0)) if topo.coord(r) == (1, 0, 0) else
+        good[topo.coord(r).dp],
+        "per process": lambda r: _tokens(seed=r),
+    }
+    for name, batch_of in cases.items():
+        values = _values(topo, batch_of)
+        table = torch.tensor(values, dtype=torch.int64).reshape(-1)
+        message = mismatch_message(values, topo, call="train_step", global_rows=24, local_rows=8)
+        assert all_agree(table, topo, global_rows=24, local_rows=8) == (message is None), name
+    values = _values(topo, cases["agree"])
+    values[5] = fingerprint(None, 3).tolist()
+    assert not all_agree(torch.tensor(values).reshape(-1), topo, global_rows=24, local_rows=8)
+    values[5] = fingerprint(cases["agree"](5), 24).tolist()[:1] + values[4][1:]  # the global batch given: fine
+    assert all_agree(torch.tensor(values).reshape(-1), topo, global_rows=24, local_rows=8)
