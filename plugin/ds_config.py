@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Iterator, Mapping, Optional
 
+from .ds_owned import ACTIVATION_PARTITION_KEYS, activations_split_over_tensor
 from .errors import Problem
 from .recipe import _thaw
 
@@ -70,6 +71,10 @@ def recipe_ds_config(recipe, layout) -> dict:
         pp = recipe.pipeline_parallel
         cfg["pipeline"] = {"stages": layout.pipeline, "partition": pp.partition,
                            "activation_checkpoint_interval": pp.activation_checkpoint_interval}
+        if activations_split_over_tensor(recipe):
+            cfg["pipeline"].update({key: False for key in ACTIVATION_PARTITION_KEYS})
+        if pp.activation_checkpoint_interval > 0:
+            cfg["pipeline"]["use_reentrant"] = False  # DeepSpeed's reentrant default fails on token ids (ds_owned)
     return cfg
 
 

@@ -2,7 +2,9 @@
 
 The recipe owns the batch triple, ``gradient_clipping``, ``zero_optimization.stage`` and the offload
 devices, the pipeline's stages / partition / checkpoint interval, fp16 / bf16 ``enabled`` and the loss-scale
-keys, and the optimizer. A raw key there may only repeat what the recipe says, *including its defaults*
+keys, and the optimizer; with activation checkpointing in a pipeline, ``pipeline.use_reentrant`` (false); under
+sequence parallelism in a tensor x pipeline layout, ``pipeline.pipe_partitioned`` and ``grad_partitioned``
+(false: :func:`activations_split_over_tensor`). A raw key there may only repeat what the recipe says, *including its defaults*
 (``{"pipeline": {"stages": 4}}`` under a one-stage recipe is an error, not an override); every other raw key
 (``overlap_comm``, ``reduce_bucket_size``, a scheduler, ``torch_adam``...) is merged as given.
 
@@ -27,6 +29,20 @@ ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay":
 TORCH_ADAMW_WEIGHT_DECAY = 0.01
 SGD_DEFAULTS = {"lr": 1e-3, "momentum": 0.0, "weight_decay": 0.0}
 RECIPE_OPTIMIZERS = 'adamw, adam and sgd (DeepSpeed "AdamW", "Adam" with adam_w_mode false, "SGD")'
+
+# DeepSpeed's pipeline engine (runtime/pipe/engine.py) sends each tensor rank 1/tp of a stage's output (and of
+# its gradient) and rebuilds the whole from every rank's part; both default to true.
+ACTIVATION_PARTITION_KEYS = ("pipe_partitioned", "grad_partitioned")
+
+
+def activations_split_over_tensor(recipe) -> bool:
+    """Whether a stage's output differs between the tensor ranks of a pipeline: under sequence parallelism each
+    holds its own slice of the sequence. DeepSpeed's activation partitioning between stages assumes the output
+    is replicated over the tensor group and rebuilds a mix of slices otherwise (measured on cpu_tp2_sp_pp2: 0.2 %
+    off one process at step 2, 5 % at step 7, exit 0), so the recipe turns it off there."""
+    return recipe.tensor_parallel.sequence_parallel and recipe.parallelism.tensor > 1 \
+        and recipe.parallelism.pipeline > 1
+
 
 ABSENT = object()  # an owned key the recipe leaves out on purpose: any raw value contradicts it
 
@@ -129,6 +145,13 @@ def owned_keys(recipe, layout) -> dict:
         "activation_checkpoint_interval": Owned(pp.activation_checkpoint_interval,
                                                 "$.pipeline_parallel.activation_checkpoint_interval"),
     }
+    if activations_split_over_tensor(recipe):  # partitioning would rebuild stage outputs from mixed sequence slices
+        for key in ACTIVATION_PARTITION_KEYS:
+            tree["pipeline"][key] = Owned(False, "$.tensor_parallel.sequence_parallel")
+    if recipe.parallelism.pipeline > 1 and pp.activation_checkpoint_interval > 0:
+        # DeepSpeed's reentrant checkpoint (its default) gives a layer range fed integer token ids no gradients:
+        # backward fails at the first stage ("element 0 of tensors does not require grad"), measured on 0.19.8
+        tree["pipeline"]["use_reentrant"] = Owned(False, "$.pipeline_parallel.activation_checkpoint_interval")
     if recipe.optimizer.name == "sgd" and z.stage >= 1:
         tree["zero_allow_untested_optimizer"] = Owned(True, "$.optimizer.name")
     return tree

@@ -30,6 +30,9 @@ def optimizer_class_and_kwargs(opt) -> tuple[type, dict]:
     raise ValueError(f"unknown optimizer {opt.name!r}")  # the schema allows only the three above
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], opt) -> torch.optim.Optimizer:
+def build_optimizer(params: Iterable[torch.nn.Parameter], opt, *, fused: bool = False) -> torch.optim.Optimizer:
+    """``fused``: torch's one-kernel Adam / AdamW (CUDA parameters); the same update, in fewer launches."""
     cls, kwargs = optimizer_class_and_kwargs(opt)
+    if fused and opt.name in ("adam", "adamw"):
+        kwargs["fused"] = True
     return cls(param_groups(params, opt.weight_decay), **kwargs)

@@ -11,8 +11,15 @@ Megatron-style layers for tensor parallelism, all from one exported ds_config.
 Before any process group exists, a weight tied across two stages is refused by name
 (:mod:`plugin.engines.pipeline_checks`): the PipelineModule would train two copies of it apart.
 
-Optimizer: DeepSpeed's compiled FusedAdam / CPUAdam only on CUDA where its op builds; otherwise (CPU, sgd)
-the recipe's torch.optim optimizer, with ``zero_force_ds_cpu_optimizer`` off so ZeRO-Offload accepts it.
+Optimizer: the recipe's torch.optim optimizer (fused on CUDA), except DeepSpeed's CPUAdam for an offloaded Adam
+on CUDA where that op builds (:mod:`plugin.engines.deepspeed_optimizer`). The exported ds_config is what the
+engine runs, but for the keys :data:`ENGINE_ADJUSTED_KEYS` names (the optimizer section, bucket sizes, logging).
+
+Activation checkpointing (``activation_checkpoint_interval >= 1``): the PipelineModule checkpoints its layer
+ranges with :func:`plugin.tensor_parallel.recompute.checkpoint` (torch's non-reentrant checkpoint, replaying the
+tensor-parallel dropout streams), the native pipeline's function.
+
+Checkpoints: DeepSpeed's own, plus each rank's random state (:meth:`DeepSpeedEngine.save`).
 
 Precision: under bf16 / fp16 DeepSpeed casts the model itself, so floating inputs are cast to that dtype
 as they enter (:attr:`~plugin.engines.base.Engine.input_dtype`); integer token ids and labels are not.
@@ -20,6 +27,7 @@ as they enter (:attr:`~plugin.engines.base.Engine.input_dtype`); integer token i
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from typing import Callable, Optional
 
@@ -27,20 +35,18 @@ import torch
 
 from ..ds_config import to_ds_config
 from ..optim import build_optimizer, param_groups
+from ..tensor_parallel.random import tensor_parallel_rngs
+from ..tensor_parallel.recompute import checkpoint_func
 from .base import Engine
+from .deepspeed_optimizer import choose_optimizer
+from .rng_state import restore_rng_state, rng_state
 from .shm import release_shm_buffer
 
+_TAG = "latest_step"  # the one checkpoint a directory holds
 
-def _deepspeed_optimizer_builds(recipe, device: torch.device) -> bool:
-    if device.type != "cuda" or recipe.optimizer.name not in ("adam", "adamw"):
-        return False
-    from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
 
-    builder = CPUAdamBuilder() if recipe.zero.offload_optimizer != "none" else FusedAdamBuilder()
-    try:
-        return bool(builder.is_compatible(verbose=False))
-    except Exception:  # a builder that cannot even tell: use torch.optim
-        return False
+def _rng_file(directory: str, rank) -> str:
+    return os.path.join(directory, _TAG, f"rng_rank{rank}.pt")
 
 
 def persistence_threshold(numels: list[int], dp: int, ceiling: int, budget: float = 0.01) -> int:
@@ -80,10 +86,27 @@ def size_buckets(zero: dict, numels: list[int], dp: int) -> None:
         zero.setdefault(key, value)  # a value from the recipe's raw deepspeed block is already there
 
 
+# The keys engine_config changes in the exported ds_config (plugin.ds_config.to_ds_config), and why. The README
+# ("what the engine adds to the export") lists the same; a test compares the config a running engine
+# holds with the export key by key and allows these differences only.
+ENGINE_ADJUSTED_KEYS = {
+    "optimizer": "dropped: the engine passes torch's optimizer, built from the recipe's optimizer with the same "
+                 "hyperparameters (kept only where DeepSpeed's CPUAdam steps an offloaded Adam on CUDA)",
+    "zero_force_ds_cpu_optimizer": "false where ZeRO-Offload steps torch's optimizer (DeepSpeed refuses it otherwise)",
+    "steps_per_print": "2**31 - 1 unless the recipe's deepspeed block sets it: no DeepSpeed log line per step",
+    "zero_optimization.reduce_bucket_size": "capped at the parameters this rank holds (DeepSpeed's 5e8 default "
+                                            "allocates 2 GB even for a tiny model)",
+    "zero_optimization.allgather_bucket_size": "capped likewise (ZeRO-1/2)",
+    "zero_optimization.stage3_prefetch_bucket_size": "capped likewise (ZeRO-3)",
+    "zero_optimization.stage3_param_persistence_threshold": "lowered until parameters kept whole cost at most 1% of "
+                                                            "the rank's shard (ZeRO-3)",
+}
+
+
 def engine_config(recipe, world_size: int, *, use_ds_optimizer: bool, numels: tuple = ()) -> dict:
-    """The exported ds_config plus what this engine needs: no optimizer block when a torch optimizer is
-    passed, buckets sized to the model (:func:`size_buckets`), and quiet step logging unless the recipe's
-    deepspeed block asks for them."""
+    """The exported ds_config plus what this engine needs (:data:`ENGINE_ADJUSTED_KEYS`): no optimizer block
+    when a torch optimizer is passed, buckets sized to the model (:func:`size_buckets`), and quiet step logging
+    unless the recipe's deepspeed block asks for them."""
     cfg = to_ds_config(recipe, world_size)
     raw = recipe.deepspeed or {}
     if cfg["zero_optimization"]["stage"] >= 1 and numels:
@@ -156,16 +179,35 @@ class DeepSpeedEngine(Engine):
         return self.mean_over_data(torch.stack(losses).mean())
 
     def save(self, directory: str, client_state: Optional[dict] = None) -> None:
-        state = {"step": self.step_count, "torch_rng": torch.get_rng_state(), **(client_state or {})}
-        self.ds.save_checkpoint(directory, tag="latest_step", client_state=state)
+        """DeepSpeed's checkpoint (``DIR/latest_step/``, the step in its client_state) and each rank's random state
+        (``DIR/latest_step/rng_rank{R}.pt``: torch's and CUDA's generators, the tensor-parallel dropout streams;
+        :mod:`plugin.engines.rng_state`). DeepSpeed writes its client_state from data rank 0 only, so the
+        random state, which differs from rank to rank, goes in a file of each rank's own."""
+        import torch.distributed as dist
+
+        self.ds.save_checkpoint(directory, tag=_TAG, client_state={"step": self.step_count, **(client_state or {})})
+        path = _rng_file(directory, dist.get_rank())
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # DeepSpeed writes nothing on some data ranks
+        torch.save(rng_state(self.module), path)
+        dist.barrier()
 
     def load(self, directory: str) -> dict:
-        path, state = self.ds.load_checkpoint(directory, tag="latest_step")
+        import torch.distributed as dist
+
+        rng_file = _rng_file(directory, dist.get_rank())
+        # Agreed before DeepSpeed loads anything (it talks to the peers): a rank whose file is missing would
+        # otherwise leave the others waiting in DeepSpeed's load.
+        missing = torch.tensor([0 if os.path.exists(rng_file) else 1], device=self.device)
+        dist.all_reduce(missing, op=dist.ReduceOp.MAX)
+        if missing.item():
+            raise FileNotFoundError(f"{_rng_file(directory, 'R')} is missing on some rank: no DeepSpeed checkpoint of "
+                                    f"this engine under {directory!r}, or one written by fewer ranks -> resume from "
+                                    "the directory given to --save, with the same number of processes")
+        path, state = self.ds.load_checkpoint(directory, tag=_TAG)
         if path is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory!r} (expected {directory}/latest_step)")
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory!r} (expected {directory}/{_TAG})")
+        restore_rng_state(self.module, torch.load(rng_file, weights_only=False), rng_file)
         self.step_count = int(state.get("step", 0))
-        if "torch_rng" in state:
-            torch.set_rng_state(state["torch_rng"])
         return state
 
     def close(self) -> None:
@@ -203,7 +245,9 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
 
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
     topology = Topology(layout.pipeline, layout.data, layout.tensor)
-    use_ds_opt = _deepspeed_optimizer_builds(recipe, device)
+    choice = choose_optimizer(recipe, device)
+    if choice.note and env.is_main:
+        print(choice.note, file=sys.stderr, flush=True)
 
     if layout.pipeline > 1:
         from deepspeed.pipe import PipelineModule
@@ -230,12 +274,16 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
 
     # buckets sized to what this rank holds: its stage, its tensor shards
     numels = tuple(p.numel() for p in module.parameters())
-    config = engine_config(recipe, env.world_size, use_ds_optimizer=use_ds_opt, numels=numels)
-    if use_ds_opt:
+    config = engine_config(recipe, env.world_size, use_ds_optimizer=choice.deepspeed_op, numels=numels)
+    if choice.deepspeed_op:
         optimizer, params = None, param_groups(module.parameters(), recipe.optimizer.weight_decay)
     else:
-        optimizer, params = build_optimizer(module.parameters(), recipe.optimizer), None
+        optimizer, params = build_optimizer(module.parameters(), recipe.optimizer, fused=choice.fused), None
     ds_engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, model_parameters=params,
                                               config=config, mpu=mpu)
+    if layout.pipeline > 1 and recipe.pipeline_parallel.activation_checkpoint_interval > 0:
+        # After initialize, which installs DeepSpeed's own checkpoint function: that one replays torch's and
+        # DeepSpeed's generators but not the tensor-parallel dropout streams, so recomputed masks would differ.
+        ds_engine.module.activation_checkpoint_func = checkpoint_func(tensor_parallel_rngs(module))
     return DeepSpeedEngine(recipe, layout, topology, groups, ds_engine, loss_fn, device,
                            pipelined=layout.pipeline > 1)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..clip import clip_by_global_norm
+from ..tensor_parallel.random import tensor_parallel_rngs  # noqa: F401 (its former home: kept importable)
 from .base import Engine
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -29,21 +30,6 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def compute_dtype(recipe) -> Optional[torch.dtype]:
     return _DTYPES.get(recipe.precision)
-
-
-def tensor_parallel_rngs(module: torch.nn.Module) -> list:
-    """The tensor-parallel dropout streams the model's modules hold (``.rng`` or ``.tp.rng``), each once, in a
-    stable order: what checkpoints save and activation checkpointing replays."""
-    from ..tensor_parallel.random import TensorParallelRNG
-
-    found, seen = [], set()
-    for m in module.modules():
-        for holder in (m, getattr(m, "tp", None)):
-            rng = getattr(holder, "rng", None)
-            if isinstance(rng, TensorParallelRNG) and id(rng) not in seen:
-                seen.add(id(rng))
-                found.append(rng)
-    return found
 
 
 def build_scaler(recipe, device: torch.device):

@@ -12,7 +12,8 @@ over the data group.
   last backward); ZeRO-1 adds ``ZeroRedundancyOptimizer`` over the same group. ZeRO-2/3 with pipeline > 1
   is refused by the recipe checks (as DeepSpeed refuses it).
 * ``activation_checkpoint_interval = k``: every k consecutive layers of a stage run under
-  ``torch.utils.checkpoint`` (non-reentrant), as DeepSpeed's PipelineModule checkpoints layer ranges.
+  ``torch.utils.checkpoint`` (non-reentrant), as DeepSpeed's PipelineModule checkpoints layer ranges, the
+  recompute replaying the tensor-parallel dropout streams (:mod:`plugin.tensor_parallel.recompute`).
 * The loss: the last stage's micro-batch mean, averaged over its data group, broadcast over the pipeline
   group, the same float on every rank (DeepSpeed's ``train_batch`` semantics).
 
@@ -24,27 +25,26 @@ masks than the uninterrupted one. Without dropout (every parity recipe) nothing 
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..pipeline import stages_of_rank
+from ..tensor_parallel.random import tensor_parallel_rngs
+from ..tensor_parallel.recompute import checkpoint
 from .pipeline_checks import check_shared_across_stages, cut_layers
 from .native import native_optimizer, tensor_sharded_names
-from .native_common import NativeEngine, build_scaler, tensor_parallel_rngs
+from .native_common import NativeEngine, build_scaler
 
 
 class StageModule(nn.Module):
     """Consecutive layers of one stage, applied in order; keys are the layers' indices in the full list.
 
     Under activation checkpointing the recomputation must draw the same dropout masks: torch's checkpoint
-    replays the default generators, and :func:`_replay_tensor_parallel_rngs` replays the tensor-parallel
-    streams (each tensor rank's own dropout stream inside sharded regions).
+    replays the default generators, and :func:`plugin.tensor_parallel.recompute.checkpoint` the tensor-parallel
+    streams too (each tensor rank's own dropout stream inside sharded regions), as on DeepSpeed.
     """
 
     def __init__(self, layers: dict[int, nn.Module], checkpoint_interval: int = 0):
@@ -63,8 +63,7 @@ class StageModule(nn.Module):
         for start in range(0, len(layers), k):
             chunk = layers[start:start + k]
             if any(p.requires_grad for layer in chunk for p in layer.parameters()):
-                x = checkpoint(_run, chunk, x, use_reentrant=False,
-                               context_fn=functools.partial(_replay_tensor_parallel_rngs, self.rngs))
+                x = checkpoint(_run, chunk, x, rngs=self.rngs)
             else:
                 x = _run(chunk, x)
         return x
@@ -74,25 +73,6 @@ def _run(layers, x):
     for layer in layers:
         x = layer(x)
     return x
-
-
-def _replay_tensor_parallel_rngs(rngs):
-    """checkpoint's (forward, recompute) contexts: the recompute starts the tensor-parallel streams where the
-    forward started them, and leaves them where the forward left them."""
-    at_forward = [rng.state_dict() for rng in rngs]
-
-    @contextlib.contextmanager
-    def recompute():
-        after_forward = [rng.state_dict() for rng in rngs]
-        for rng, state in zip(rngs, at_forward):
-            rng.load_state_dict(state)
-        try:
-            yield
-        finally:
-            for rng, state in zip(rngs, after_forward):
-                rng.load_state_dict(state)
-
-    return contextlib.nullcontext(), recompute()
 
 
 _SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}

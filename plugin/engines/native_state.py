@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from ..errors import PluginError
-from .native_common import tensor_parallel_rngs
+from .rng_state import restore_rng_state, rng_state
 
 META = "native.json"
 
@@ -46,13 +46,9 @@ def _is_zero1(optimizer) -> bool:
 
 
 def _rank_state(engine, client_state: Optional[dict]) -> dict:
-    state = {"step": engine.step_count, "torch_rng": torch.get_rng_state(),
-             "tp_rng": [r.state_dict() for r in tensor_parallel_rngs(engine.container)],
-             "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
-             "client_state": dict(client_state or {})}
-    if torch.cuda.is_available():
-        state["cuda_rng"] = torch.cuda.get_rng_state_all()
-    return state
+    return {"step": engine.step_count, **rng_state(engine.container),
+            "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+            "client_state": dict(client_state or {})}
 
 
 def _meta(engine) -> dict:
@@ -119,11 +115,7 @@ def load(engine, directory: str) -> dict:
         set_state_dict(engine.container, engine.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
     engine.optimizer.zero_grad(set_to_none=True)  # DCP's optimizer-state init leaves zero gradients behind
-    torch.set_rng_state(rank_state["torch_rng"])
-    if "cuda_rng" in rank_state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rank_state["cuda_rng"])
-    for rng, states in zip(tensor_parallel_rngs(engine.container), rank_state["tp_rng"]):
-        rng.load_state_dict(states)
+    restore_rng_state(engine.container, rank_state, str(mine))
     if engine.scaler is not None and rank_state.get("scaler"):
         engine.scaler.load_state_dict(rank_state["scaler"])
     engine.step_count = int(rank_state["step"])

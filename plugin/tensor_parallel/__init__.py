@@ -5,7 +5,8 @@
 
 Modules: :mod:`.comm` (f/g and the sequence-parallel collectives), :mod:`.layers` (column, row and
 vocabulary-split linears), :mod:`.embedding` (the vocabulary-split embedding), :mod:`.fused` (the column matmul with its overlapped backward collective),
-:mod:`.cross_entropy`, :mod:`.random` (dropout streams), :mod:`.plan`
+:mod:`.cross_entropy`, :mod:`.random` (dropout streams), :mod:`.recompute` (activation checkpointing that
+replays them), :mod:`.plan`
 (``apply_tensor_parallel``), :mod:`.auto` (the "auto" plans), :mod:`.sharding` (slicing math),
 :mod:`.state` (whole tensors back from the shards).
 """

@@ -119,3 +119,16 @@ class TensorParallelRNG:
 def sharded_region(rng: Optional[TensorParallelRNG], device=None):
     """``rng.fork(device)``, or a no-op context without tensor parallelism (``rng`` is None)."""
     return contextlib.nullcontext() if rng is None else rng.fork(device)
+
+
+def tensor_parallel_rngs(module: torch.nn.Module) -> list[TensorParallelRNG]:
+    """The tensor-parallel dropout streams ``module``'s submodules hold (``.rng`` or ``.tp.rng``), each once, in a
+    stable order: what checkpoints save and activation checkpointing replays."""
+    found, seen = [], set()
+    for m in module.modules():
+        for holder in (m, getattr(m, "tp", None)):
+            rng = getattr(holder, "rng", None)
+            if isinstance(rng, TensorParallelRNG) and id(rng) not in seen:
+                seen.add(id(rng))
+                found.append(rng)
+    return found

@@ -127,4 +127,5 @@ PARITY_LAYOUTS = {
     "cpu_pp2_dp2": ("cpu_pp2_dp2", {}),
     "cpu_pp2_dp2_zero0": ("cpu_pp2_dp2", {"zero": {"stage": 0}}),  # DeepSpeed's non-ZeRO clipping path
     "cpu_tp2_pp2": ("cpu_tp2_pp2", {}),
+    "cpu_tp2_sp_pp2": ("cpu_tp2_sp_pp2", {}),  # sequence slices between stages: DeepSpeed's partitioning off
 }

@@ -5,7 +5,8 @@ and the paths that do nothing on a CPU.
   deepspeed and torchrun; Accelerate's FSDP2 plugin (ZeRO-3 under ``accelerate launch`` where deepspeed is
   not importable: hidden from the launched processes, as in :mod:`.test_native_parity`) gives them too
   (Accelerate reaches FSDP only through its multi-GPU launcher, so not on one GPU).
-* 1+ GPU: Accelerate's fp16 (its GradScaler, fed from the recipe's fp16 block) tracks fp32 on one GPU; the
+* 1+ GPU: the DeepSpeed engine steps torch's fused AdamW, and DeepSpeed's CPUAdam only under optimizer offload
+  (where that op builds; torch's AdamW otherwise); Accelerate's fp16 (its GradScaler, fed from the recipe's fp16 block) tracks fp32 on one GPU; the
   native FSDP2 ``CPUOffloadPolicy`` really keeps the sharded parameters, their gradients and Adam's moments
   in CPU memory inside an optimizer step while the engine computes on the GPU (on a CPU machine offload is a
   no-op, so only here can it be seen), and trains as without offload.
@@ -139,3 +140,46 @@ def test_native_cpu_offload_keeps_shards_on_the_cpu():
     assert offloaded["devices"] == {"parameters": {"cpu"}, "gradients": {"cpu"}, "optimizer_states": {"cpu"}}, out
     assert resident["devices"] == {"parameters": {"cuda"}, "gradients": {"cuda"}, "optimizer_states": {"cuda"}}, out
     assert offloaded["losses"] == pytest.approx(resident["losses"], rel=RTOL), out
+
+
+def _deepspeed_optimizers_on_gpu(rank, world_size):
+    """One process on a GPU, DeepSpeed engine at ZeRO-1 with and without optimizer offload: which optimizer steps."""
+    import plugin
+    from plugin.checks import load_recipe
+    from plugin.data import TextBatches
+    from plugin.engines.deepspeed_optimizer import cpu_adam_error
+    from plugin.models.gpt import GPT, GPTConfig
+    from plugin.recipe import Recipe
+
+    out = {"cpu_adam_error": cpu_adam_error()}
+    for offload in ("none", "cpu"):
+        data = load_recipe("cpu_single").to_dict()
+        data["zero"] = {"stage": 1, "offload_optimizer": offload}
+        recipe = Recipe.from_dict(data)
+        torch.manual_seed(0)
+        engine = plugin.initialize(GPT(GPTConfig.from_recipe_model(recipe.model)), recipe, backend="deepspeed")
+        inner = getattr(engine.ds.optimizer, "optimizer", engine.ds.optimizer)  # ZeRO wraps the optimizer it steps
+        batches = TextBatches(recipe.model.vocab, recipe.model.seq_len)
+        losses = [engine.train_step(batches.global_batch(i, engine.layout.global_batch)) for i in range(3)]
+        out[offload] = {"type": type(inner).__name__, "fused": inner.defaults.get("fused"), "losses": losses,
+                        "device": engine.device.type}
+    return out
+
+
+@ONE_GPU
+def test_deepspeed_steps_torchs_fused_adamw_and_cpu_adam_only_under_offload():
+    """Nothing JIT-builds inside deepspeed.initialize: torch's fused AdamW on the GPU; under optimizer offload
+    DeepSpeed's CPUAdam where its op builds here, else torch's AdamW on the CPU states. Both train alike."""
+    need("deepspeed")
+    from .spawn import run
+
+    out = run(_deepspeed_optimizers_on_gpu, 1, backend="nccl", timeout_s=600)[0]
+    resident, offloaded = out["none"], out["cpu"]
+    assert resident["device"] == offloaded["device"] == "cuda", out
+    assert (resident["type"], resident["fused"]) == ("AdamW", True), out
+    if out["cpu_adam_error"] is None:
+        assert offloaded["type"] == "DeepSpeedCPUAdam", out
+    else:
+        assert (offloaded["type"], offloaded["fused"]) == ("AdamW", False), out
+    assert offloaded["losses"] == pytest.approx(resident["losses"], rel=RTOL), out
+    assert resident["losses"][-1] < resident["losses"][0], out

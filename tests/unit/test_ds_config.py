@@ -134,6 +134,37 @@ def test_adam_recipes_own_adam_w_mode_and_sgd_owns_its_params():
     assert _errors(_recipe(deepspeed={"optimizer": {"type": "Adam"}})) == {}
 
 
+def test_sequence_parallel_pipelines_turn_deepspeeds_activation_partitioning_off():
+    """Stage outputs under sequence parallelism are each tensor rank's own slice: DeepSpeed's partitioning (on by
+    default) would rebuild them from every rank's part of a different tensor. Without sequence parallelism they
+    are replicated and DeepSpeed's default is right: the export leaves it, and a raw block may set it either way."""
+    sp = load_recipe("cpu_tp2_sp_pp2")
+    assert to_ds_config(sp)["pipeline"] == {"stages": 2, "partition": "uniform", "activation_checkpoint_interval": 0,
+                                            "pipe_partitioned": False, "grad_partitioned": False}
+    errors = _errors(dataclasses.replace(sp, deepspeed={"pipeline": {"pipe_partitioned": True, "grad_partitioned": True}}))
+    assert set(errors) == {"$.deepspeed.pipeline.pipe_partitioned", "$.deepspeed.pipeline.grad_partitioned"}
+    text = errors["$.deepspeed.pipeline.pipe_partitioned"].format()
+    assert "true" in text and "$.tensor_parallel.sequence_parallel" in text, text
+    assert _errors(dataclasses.replace(sp, deepspeed={"pipeline": {"pipe_partitioned": False}})) == {}
+    plain = load_recipe("cpu_tp2_pp2")
+    assert not {"pipe_partitioned", "grad_partitioned"} & set(to_ds_config(plain)["pipeline"])
+    assert _errors(dataclasses.replace(plain, deepspeed={"pipeline": {"pipe_partitioned": False}})) == {}
+    sp_dp = load_recipe("tp2_sp_dp4")  # no pipeline: no pipeline section at all
+    assert "pipeline" not in to_ds_config(sp_dp)
+
+
+def test_checkpointed_pipelines_export_deepspeeds_non_reentrant_checkpoint():
+    """DeepSpeed's reentrant checkpoint (its default) fails in backward on a first stage fed token ids."""
+    base = load_recipe("cpu_pp2_dp2")
+    pp = dataclasses.replace(base.pipeline_parallel, activation_checkpoint_interval=1)
+    checkpointed = dataclasses.replace(base, pipeline_parallel=pp)
+    assert to_ds_config(checkpointed)["pipeline"]["use_reentrant"] is False
+    assert "use_reentrant" not in to_ds_config(base)["pipeline"]
+    errors = _errors(dataclasses.replace(checkpointed, deepspeed={"pipeline": {"use_reentrant": True}}))
+    assert set(errors) == {"$.deepspeed.pipeline.use_reentrant"}
+    assert "$.pipeline_parallel.activation_checkpoint_interval" in errors["$.deepspeed.pipeline.use_reentrant"].format()
+
+
 def test_raw_batch_keys_are_checked_before_the_world_size_is_known():
     r = _recipe(parallelism={"data": "auto"}, batch={"global": 64, "micro": 2},
                 deepspeed={"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2})
@@ -327,7 +358,8 @@ DS_CHECK = textwrap.dedent("""
                 "reduce_bucket_size": z.reduce_bucket_size,
                 "offload_param": z.offload_param.device if z.offload_param else None,
                 "nvme_path": str(z.offload_param.nvme_path) if z.offload_param and z.offload_param.nvme_path else None,
-                "optimizer": c.optimizer_name}
+                "optimizer": c.optimizer_name, "pipe_partitioned": c.pipeline["pipe_partitioned"],
+                "grad_partitioned": c.pipeline["grad_partitioned"], "use_reentrant": c.pipeline.get("use_reentrant")}
         except Exception as e:
             results[name] = repr(e)
     print(json.dumps(results))
@@ -337,6 +369,7 @@ DS_CHECK = textwrap.dedent("""
 def _expected(recipe, lay) -> dict:
     """What DeepSpeed should read back from the recipe's export (its own defaults where the recipe is silent)."""
     z, scale, raw = recipe.zero, recipe.fp16, (recipe.deepspeed or {}).get("zero_optimization", {})
+    sequence_parallel_pipeline = recipe.tensor_parallel.sequence_parallel and lay.tensor > 1 and lay.pipeline > 1
     return {"batch": lay.global_batch, "stage": z.stage, "clip": recipe.gradient_clipping,
             "bf16": recipe.precision == "bf16", "fp16": recipe.precision == "fp16",
             "scale_power": scale.initial_scale_power if scale else 16,
@@ -345,7 +378,11 @@ def _expected(recipe, lay) -> dict:
             "reduce_bucket_size": raw.get("reduce_bucket_size", 5e8),
             "offload_param": None if z.offload_param == "none" else z.offload_param,
             "nvme_path": z.nvme_path if z.offload_param == "nvme" else None,
-            "optimizer": {"adamw": "adamw", "adam": "adam", "sgd": "SGD"}[recipe.optimizer.name]}
+            "optimizer": {"adamw": "adamw", "adam": "adam", "sgd": "SGD"}[recipe.optimizer.name],
+            # DeepSpeed partitions stage outputs over the tensor group by default: not sequence slices
+            "pipe_partitioned": not sequence_parallel_pipeline, "grad_partitioned": not sequence_parallel_pipeline,
+            "use_reentrant": False if lay.pipeline > 1 and recipe.pipeline_parallel.activation_checkpoint_interval
+            else None}
 
 
 def _beyond_the_shipped_recipes() -> dict:
@@ -369,6 +406,8 @@ def _beyond_the_shipped_recipes() -> dict:
         "nvme_offload": recipe(zero={"stage": 3, "offload_param": "nvme", "offload_optimizer": "nvme",
                                      "nvme_path": "/local_nvme"}, launcher="deepspeed", precision="bf16"),
         "sgd_zero1": recipe(zero={"stage": 1}, optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9}),
+        "checkpointed_pipeline": recipe(parallelism={"data": 2, "pipeline": 2},
+                                        pipeline_parallel={"activation_checkpoint_interval": 1}),
     }
 
 
@@ -392,3 +431,15 @@ def test_every_exported_config_is_accepted_by_deepspeed():
     results = json.loads(out.stdout.strip().splitlines()[-1])
     assert "train_batch_size is not equal" in results.pop("wrong_data_size")
     assert results == expect
+
+
+def test_readme_names_every_key_the_deepspeed_engine_adjusts():
+    """The keys where the engine's config differs from the export (tests/dist/test_deepspeed_engine.py holds the
+    running engine to them) are the README's list, each by name."""
+    from plugin.engines.deepspeed import ENGINE_ADJUSTED_KEYS
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("**what the engine adds to the export**"):]
+    section = section[:section.index("\n- ") if "\n- " in section else section.index("\n\n")]
+    for key in ENGINE_ADJUSTED_KEYS:
+        assert f"`{key}`" in section or f"`{key.split('.')[-1]}`" in section, key

@@ -13,7 +13,7 @@ from plugin.schema import load_schema
 SHIPPED = shipped_recipes()
 EIGHT_GPU = ["dp8_zero1", "dp8_zero2", "dp8_zero3", "dp8_zero3_offload", "tp2_dp4", "tp4_dp2", "tp8", "pp2_dp4",
              "pp4_dp2", "tp2_pp2_dp2", "tp2_sp_dp4"]
-CPU = ["cpu_single", "cpu_dp4", "cpu_zero3_dp4", "cpu_tp2_dp2", "cpu_pp2_dp2", "cpu_tp2_pp2"]
+CPU = ["cpu_single", "cpu_dp4", "cpu_zero3_dp4", "cpu_tp2_dp2", "cpu_pp2_dp2", "cpu_tp2_pp2", "cpu_tp2_sp_pp2"]
 
 
 def test_the_issue_list_is_shipped():
