@@ -35,7 +35,7 @@ CASES = [("cpu_dp4", 0), ("cpu_dp4", 1), ("cpu_dp4", 2), ("cpu_dp4", 3), ("cpu_t
 
 
 def recipe_for(name, stage):
-    from plugin.checks import load_recipe
+    from plugin.recipe.checks import load_recipe
 
     r = load_recipe(name)
     r = dataclasses.replace(r, zero=dataclasses.replace(r.zero, stage=stage))

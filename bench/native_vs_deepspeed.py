@@ -47,7 +47,7 @@ WARMUP = 3
 
 
 def recipe_for(name, stage):
-    from plugin.checks import load_recipe
+    from plugin.recipe.checks import load_recipe
 
     recipe = load_recipe(name)
     if stage is not None:

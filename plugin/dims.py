@@ -209,7 +209,7 @@ def spec_from_dict(data: Mapping[str, Any], name: str = "model",
 
     problems: list[Problem] = []
     if not isinstance(data, Mapping):
-        from .schema import json_type
+        from .recipe.jsontext import json_type
 
         return None, [Problem(where, f"a model is a JSON object, not {json_type(data)}",
                               "give layers, hidden, heads, vocab and seq_len")]

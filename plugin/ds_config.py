@@ -2,42 +2,27 @@
 
 :func:`to_ds_config` writes every key a recipe decides (the batch triple, zero_optimization, bf16/fp16,
 gradient_clipping, optimizer, pipeline) and then merges the recipe's raw ``deepspeed`` block, which may
-add keys but never contradict the recipe, defaults included (:func:`deepspeed_block_problems` reports that
-as an error; :mod:`plugin.ds_owned` says which keys the recipe owns). :func:`from_ds_config` is the
+add keys but never contradict the recipe, defaults included (:func:`plugin.recipe.deepspeed_block.check_deepspeed_block` reports that
+as an error; :mod:`plugin.recipe.deepspeed_block` says which keys the recipe owns). :func:`from_ds_config` is the
 inverse: keys with no recipe meaning go under ``deepspeed``, so that ``to_ds_config(from_ds_config(c))``
 gives back an equivalent config (the same keys and values, up to how DeepSpeed reads an optimizer type).
 """
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Mapping, Optional
 
-from .ds_owned import ACTIVATION_PARTITION_KEYS, activations_split_over_tensor
-from .errors import Problem
-from .recipe import _thaw
+from .recipe.deepspeed_block import ACTIVATION_PARTITION_KEYS, activations_split_over_tensor, ds_optimizer
+from .recipe.spec import thaw
 
 # deepspeed.runtime.constants.GRADIENT_CLIPPING_DEFAULT (tests pin it against the installed DeepSpeed).
 DEEPSPEED_DEFAULT_GRADIENT_CLIPPING = 1.0
-
-# DeepSpeed's optimizer type per Adam of the recipe ("SGD" is torch.optim.SGD, looked up by name).
-_DS_OPTIMIZER = {"adamw": "AdamW", "adam": "Adam"}
-
 
 def _offload(device: str, nvme_path: Optional[str]) -> dict:
     out = {"device": device, "pin_memory": True}
     if device == "nvme":
         out["nvme_path"] = nvme_path
     return out
-
-
-def ds_optimizer(opt) -> dict:
-    """The recipe's optimizer as a DeepSpeed optimizer section that builds exactly it (see :mod:`plugin.ds_owned`)."""
-    if opt.name == "sgd":
-        return {"type": "SGD", "params": {"lr": opt.lr, "momentum": opt.momentum, "weight_decay": opt.weight_decay}}
-    params = {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay}
-    if opt.name == "adam":
-        params["adam_w_mode"] = False  # DeepSpeed's "Adam" is AdamW unless told otherwise
-    return {"type": _DS_OPTIMIZER[opt.name], "params": params}
 
 
 def recipe_ds_config(recipe, layout) -> dict:
@@ -58,7 +43,7 @@ def recipe_ds_config(recipe, layout) -> dict:
         "fp16": {"enabled": recipe.precision == "fp16"},
     }
     if recipe.precision == "fp16":
-        from .recipe import LossScale
+        from .recipe.spec import LossScale
 
         scale = recipe.fp16 or LossScale()
         cfg["fp16"].update({"loss_scale": scale.loss_scale, "initial_scale_power": scale.initial_scale_power,
@@ -85,20 +70,8 @@ def merge(base: dict, extra: Mapping) -> dict:
         if isinstance(value, Mapping) and isinstance(out.get(key), dict):
             out[key] = merge(out[key], value)
         else:
-            out[key] = _thaw(value)
+            out[key] = thaw(value)
     return out
-
-
-def deepspeed_block_problems(recipe, layout) -> Iterator[Problem]:
-    """Errors for keys of the raw ``deepspeed`` block that contradict what the recipe decides, defaults included
-    (:mod:`plugin.ds_owned`); ``layout`` may be ``None`` ("auto" before the world size is known)."""
-    from .ds_owned import optimizer_problems, owned_keys, owned_problems
-
-    block = _thaw(recipe.deepspeed or {})
-    rest = {k: v for k, v in block.items() if k != "optimizer"}
-    yield from owned_problems(owned_keys(recipe, layout), rest, "$.deepspeed")
-    if "optimizer" in block:
-        yield from optimizer_problems(recipe, ds_optimizer(recipe.optimizer), block["optimizer"])
 
 
 def to_ds_config(recipe, world_size: Optional[int] = None) -> dict:
@@ -130,7 +103,7 @@ def from_ds_config(cfg: Mapping, world_size: Optional[int] = None, name: str = "
     The data degree is ``world_size / pipeline`` when ``world_size`` is given, else derived from a complete
     batch triple, else ``"auto"``. Values of ``"auto"`` (Hugging Face style) are treated as not given.
     """
-    rest = copy.deepcopy(_thaw(cfg))
+    rest = copy.deepcopy(thaw(cfg))
     recipe: dict[str, Any] = {"$schema": "../schemas/recipe.schema.json", "name": name,
                               "description": "Imported from a DeepSpeed config."}
     stages = _pop(rest, "pipeline", "stages")
@@ -203,10 +176,10 @@ def from_ds_config(cfg: Mapping, world_size: Optional[int] = None, name: str = "
 
 def _import_optimizer(rest: dict, recipe: dict) -> None:
     """Move an Adam / AdamW / SGD section of ``rest`` into ``recipe["optimizer"]``, as DeepSpeed reads it
-    (:func:`plugin.ds_owned.optimizer_meaning`, DeepSpeed's defaults filled in). Params with no recipe field
+    (:func:`plugin.recipe.deepspeed_block.optimizer_meaning`, DeepSpeed's defaults filled in). Params with no recipe field
     (``torch_adam``, ``nesterov``...) stay under ``deepspeed.optimizer.params``; an optimizer the recipe cannot
     say stays raw, where the checks report it. ``"auto"`` values (Hugging Face) take DeepSpeed's defaults."""
-    from .ds_owned import optimizer_meaning
+    from .recipe.deepspeed_block import optimizer_meaning
 
     section = rest.get("optimizer")
     if not isinstance(section, dict):

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from .checks import load_recipe
+from .recipe.checks import load_recipe
 from .errors import PluginError, Problem, RecipeError
-from .recipe import Recipe
+from .recipe.spec import Recipe
 from .runtime import check_launch, check_model, ensure_single_process_env, launch_env
 
 
@@ -118,7 +118,7 @@ def initialize(model, recipe: Union[Recipe, str, Path], *, loss_fn: Optional[Cal
     backend = backend or choose_backend(recipe, device.type)
     _warn_on_launch_precision(recipe, env)
     if backend == "native":  # chosen because deepspeed is missing: what only DeepSpeed does is refused now
-        from .checks import native_back_end_problems
+        from .recipe.checks import native_back_end_problems
 
         problems = [p.with_file(recipe.source) for p in native_back_end_problems(recipe)]
         if problems:

@@ -282,7 +282,7 @@ def parse(argv: list[str]) -> Request:
 
 
 def main(argv: Optional[list[str]] = None, machine: Optional[Machine] = None) -> int:
-    from .checks import validate
+    from .recipe.checks import validate
 
     try:
         req = parse(sys.argv[1:] if argv is None else argv)

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from .checks import check_recipe
+from .recipe.checks import check_recipe
 from .errors import Problem, RecipeError
 
 

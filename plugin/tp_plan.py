@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from .recipe import _thaw
+from .recipe.spec import thaw
 
 
 def tensor_parallel_hooks(model, recipe, loss_fn: Optional[Callable]) -> tuple[Callable, Callable]:
     tp_cfg = recipe.tensor_parallel
-    plan = tp_cfg.plan if isinstance(tp_cfg.plan, str) else _thaw(tp_cfg.plan)
+    plan = tp_cfg.plan if isinstance(tp_cfg.plan, str) else thaw(tp_cfg.plan)
 
     def apply_tp(target, tp_group, pp_rank: int = 0):
         from .tensor_parallel import apply_tensor_parallel

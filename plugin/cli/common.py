@@ -90,7 +90,7 @@ def needs_world_size(recipe, world_size, why: str) -> bool:
 
 def load_or_report(ref: str, world_size):
     """The valid recipe, or None after printing its problems to stderr."""
-    from ..checks import validate
+    from ..recipe.checks import validate
 
     recipe, problems = validate(ref, world_size)
     print_problems(problems)

@@ -31,7 +31,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..recipe import read_recipe
+    from ..recipe.load import read_recipe
     from ..recipe_estimate import estimate_recipe
 
     gpu_memory = args.gpu_memory

@@ -21,10 +21,11 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..checks import check_recipe
+    from ..recipe.checks import check_recipe
     from ..ds_config import from_ds_config
-    from ..recipe import INVALID, parse_json, recipe_from_data
-    from ..schema import json_type
+    from ..recipe.jsontext import INVALID, parse_json
+    from ..recipe.load import recipe_from_data
+    from ..recipe.jsontext import json_type
 
     try:
         text = Path(args.ds_config).read_text(encoding="utf-8")

@@ -91,9 +91,9 @@ def run(args) -> int:
 def _write(result, path: Path):
     """Write the winner as a recipe after checking that it validates, passes the cross-field checks and that
     ``estimate`` of it agrees with the plan and fits; (path, exit code)."""
-    from ..checks import check_recipe
+    from ..recipe.checks import check_recipe
     from ..plan_recipe import to_recipe_data, written_recipe_problems
-    from ..recipe import recipe_from_data
+    from ..recipe.load import recipe_from_data
 
     data = to_recipe_data(result.plans[0], result, name=path.stem)
     text = json.dumps(data, indent=2) + "\n"

@@ -14,7 +14,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..checks import validate
+    from ..recipe.checks import validate
 
     reports, ok = [], True
     for ref in args.recipes:
@@ -37,7 +37,7 @@ def _summary(recipe, world_size) -> str:
     par = recipe.parallelism
     if par.data == "auto" and world_size is None:
         return f'data auto x tensor {par.tensor} x pipeline {par.pipeline} (world size set by the launcher)'
-    from ..layout import processes
+    from ..recipe.layout import processes
 
     lay = recipe.layout(world_size)
     return (f"data {lay.data} x tensor {lay.tensor} x pipeline {lay.pipeline} = {processes(lay.world_size)}; "

@@ -131,7 +131,7 @@ def _plugins(mode: str, recipe, world_size: int, cuda: bool, model, layers_of: C
 
     kwargs: dict = {"kwargs_handlers": []}
     if recipe.precision == "fp16" and mode != "deepspeed":
-        from ..recipe import LossScale
+        from ..recipe.spec import LossScale
 
         cfg = recipe.fp16 or LossScale()
         scale = (dict(init_scale=float(cfg.loss_scale), growth_interval=2 ** 31 - 1) if cfg.loss_scale > 0 else

@@ -38,7 +38,7 @@ def build_scaler(recipe, device: torch.device):
         return None
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    from ..recipe import LossScale
+    from ..recipe.spec import LossScale
 
     cfg = recipe.fp16 or LossScale()
     if cfg.loss_scale > 0:

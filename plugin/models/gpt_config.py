@@ -67,7 +67,7 @@ class GPTConfig:
 
     @classmethod
     def from_recipe_model(cls, model, **overrides) -> "GPTConfig":
-        """From a recipe's ``model`` block (:class:`plugin.recipe.Model`); ``overrides`` set the fields a
+        """From a recipe's ``model`` block (:class:`plugin.recipe.spec.Model`); ``overrides`` set the fields a
         recipe does not carry (``tie_embeddings``, ``bias``, ``norm_eps``, ``init_std``)."""
         values = dict(vocab=model.vocab, hidden=model.hidden, layers=model.layers, heads=model.heads,
                       seq_len=model.seq_len, kv_heads=model.kv_heads_resolved,

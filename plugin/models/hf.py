@@ -10,7 +10,7 @@ from ..errors import PluginError
 
 
 def build_hf_model(name: str, dims):
-    """``name`` "gpt2" or "llama"; ``dims`` a recipe's :class:`plugin.recipe.Model`."""
+    """``name`` "gpt2" or "llama"; ``dims`` a recipe's :class:`plugin.recipe.spec.Model`."""
     try:
         import transformers as tf
     except ImportError:

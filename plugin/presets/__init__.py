@@ -62,7 +62,7 @@ def resolve_model(ref: Union[str, Path]) -> ModelSpec:
             raise RecipeError([Problem("--model", f"model file {str(ref)!r} does not exist",
                                        "check the path, or give a preset name: " + ", ".join(preset_names()))])
         return get_preset(str(ref))
-    from ..recipe import parse_json
+    from ..recipe.jsontext import parse_json
 
     data, problems = parse_json(path.read_text(encoding="utf-8"), str(path))
     if any(p.is_error for p in problems):  # not JSON (or not standard JSON)

@@ -104,7 +104,7 @@ class Run:
 
 def recipe_variant(base: str, tmp: Path, name: str, **changes) -> Path:
     """A copy of a shipped recipe with some top-level blocks replaced (``zero={"stage": 2}``)."""
-    from plugin.recipe import find_recipe
+    from plugin.recipe.load import find_recipe
 
     data = json.loads(find_recipe(base).read_text())
     data["name"] = name

@@ -95,10 +95,10 @@ def test_accelerate_fp16_grad_scaler_tracks_fp32_on_one_gpu(tmp_path):
 def _where_offloaded_state_lives(rank, world_size):
     """One process on a GPU: ZeRO-3 with and without CPU offload; devices seen inside the second optimizer step."""
     import plugin
-    from plugin.checks import load_recipe
+    from plugin.recipe.checks import load_recipe
     from plugin.data import TextBatches
     from plugin.models.gpt import GPT, GPTConfig
-    from plugin.recipe import Recipe
+    from plugin.recipe.spec import Recipe
 
     out = {}
     for offload in ("cpu", "none"):
@@ -145,11 +145,11 @@ def test_native_cpu_offload_keeps_shards_on_the_cpu():
 def _deepspeed_optimizers_on_gpu(rank, world_size):
     """One process on a GPU, DeepSpeed engine at ZeRO-1 with and without optimizer offload: which optimizer steps."""
     import plugin
-    from plugin.checks import load_recipe
+    from plugin.recipe.checks import load_recipe
     from plugin.data import TextBatches
     from plugin.engines.deepspeed_optimizer import cpu_adam_error
     from plugin.models.gpt import GPT, GPTConfig
-    from plugin.recipe import Recipe
+    from plugin.recipe.spec import Recipe
 
     out = {"cpu_adam_error": cpu_adam_error()}
     for offload in ("none", "cpu"):

@@ -29,8 +29,8 @@ LAYOUTS = ("cpu_tp2_dp2", "cpu_pp2_dp2")
 
 
 def _recipe(name):
-    from plugin.checks import load_recipe
-    from plugin.recipe import Recipe
+    from plugin.recipe.checks import load_recipe
+    from plugin.recipe.spec import Recipe
 
     data = load_recipe(name).to_dict()
     data["model"] = {**data["model"], "layers": 2}  # smaller: the rows, not the model, are under test

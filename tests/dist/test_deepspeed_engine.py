@@ -29,8 +29,8 @@ MODEL = {"layers": 4, "hidden": 32, "heads": 4, "ffn_hidden": 64, "vocab": 64, "
 
 
 def _recipe(base, **blocks):
-    from plugin.checks import load_recipe
-    from plugin.recipe import Recipe
+    from plugin.recipe.checks import load_recipe
+    from plugin.recipe.spec import Recipe
 
     data = load_recipe(base).to_dict()
     data.update(blocks)

@@ -31,7 +31,7 @@ BUCKET_HELD = {0: False, 1: True, 2: False, 3: True}  # is the reduction bucket 
 
 
 def _recipe(name, stage):
-    from plugin.checks import load_recipe
+    from plugin.recipe.checks import load_recipe
 
     recipe = load_recipe(name)
     if stage is not None:

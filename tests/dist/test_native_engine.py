@@ -49,8 +49,8 @@ COMPUTE_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
 
 
 def _recipe(base, blocks, precision="fp32"):
-    from plugin.checks import load_recipe
-    from plugin.recipe import Recipe
+    from plugin.recipe.checks import load_recipe
+    from plugin.recipe.spec import Recipe
 
     data = load_recipe(base).to_dict()
     data.update(blocks, precision=precision)

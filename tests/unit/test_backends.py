@@ -2,9 +2,9 @@
 import pytest
 
 from plugin.backends import ACCELERATE_MARK, accelerate_mode, choose, launched_by_accelerate
-from plugin.checks import check_recipe, load_recipe, native_back_end_problems
+from plugin.recipe.checks import check_recipe, load_recipe, native_back_end_problems
 from plugin.errors import PluginError
-from plugin.recipe import Recipe
+from plugin.recipe.spec import Recipe
 
 ACCELERATE = {ACCELERATE_MARK: "no"}
 

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from plugin.checks import load_recipe
+from plugin.recipe.checks import load_recipe
 from plugin.engines.deepspeed_optimizer import choose_optimizer, cpu_adam_error
 from plugin.optim import build_optimizer
 

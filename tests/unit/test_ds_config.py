@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from plugin.checks import load_recipe
+from plugin.recipe.checks import load_recipe
 from plugin.ds_config import DEEPSPEED_DEFAULT_GRADIENT_CLIPPING, from_ds_config, to_accelerate_config, to_ds_config
-from plugin.recipe import recipe_from_data, shipped_recipes
+from plugin.recipe.load import recipe_from_data, shipped_recipes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,7 +62,7 @@ def test_offload_and_fp16_blocks():
 
 
 def _errors(recipe, world_size=None):
-    from plugin.checks import check_recipe
+    from plugin.recipe.checks import check_recipe
 
     return {p.path: p for p in check_recipe(recipe, world_size) if p.is_error}
 
@@ -269,7 +269,7 @@ def _built_optimizer(cfg):
 
 @pytest.mark.parametrize("cfg", REAL_WORLD_CONFIGS, ids=lambda c: json.dumps(c.get("optimizer", {}))[:40])
 def test_import_then_export_gives_an_equivalent_config(cfg):
-    from plugin.checks import check_recipe
+    from plugin.recipe.checks import check_recipe
 
     data = from_ds_config(cfg, world_size=8)
     recipe, problems = recipe_from_data(data)
@@ -292,7 +292,7 @@ def test_import_then_export_gives_an_equivalent_config(cfg):
 
 
 def test_import_keeps_an_optimizer_the_recipe_cannot_say_and_reports_it():
-    from plugin.checks import check_recipe
+    from plugin.recipe.checks import check_recipe
 
     cfg = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "Lamb",
                                                                                        "params": {"lr": 1e-3}}}
@@ -391,7 +391,7 @@ def _beyond_the_shipped_recipes() -> dict:
         data = {"name": "r", "parallelism": {"data": 2}, "batch": {"micro": 2, "grad_accum": 2}, **extra}
         r, problems = recipe_from_data(data)
         assert r is not None and not [p for p in problems if p.is_error], problems
-        from plugin.checks import check_recipe
+        from plugin.recipe.checks import check_recipe
 
         assert [p for p in check_recipe(r) if p.is_error] == []
         return r

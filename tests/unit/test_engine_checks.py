@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import plugin
-from plugin.checks import load_recipe
+from plugin.recipe.checks import load_recipe
 from plugin.engine import choose_backend, layers_of
 from plugin.errors import PluginError, RecipeError
 from plugin.models.gpt import GPT, GPTConfig

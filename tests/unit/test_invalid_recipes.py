@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin.checks import validate
+from plugin.recipe.checks import validate
 
 HERE = Path(__file__).resolve().parent.parent / "data" / "invalid"
 EXPECTED = json.loads((HERE / "expected.json").read_text())

@@ -1,5 +1,5 @@
 """Recipe text that Python's json module reads but JSON does not allow, or cannot read at all."""
-from plugin.jsontext import INVALID, parse_json
+from plugin.recipe.jsontext import INVALID, parse_json
 
 
 def _texts(problems):
@@ -33,8 +33,8 @@ def test_overflowing_floats_and_repeated_keys_are_all_reported_together():
 
 def test_nan_in_data_built_in_python_is_named_at_its_path():
     """Recipe.from_dict / recipe_from_data never see text: the schema step names NaN and infinities itself."""
-    from plugin.checks import load_recipe
-    from plugin.recipe import recipe_from_data
+    from plugin.recipe.checks import load_recipe
+    from plugin.recipe.load import recipe_from_data
 
     data = load_recipe("cpu_dp4").to_dict()
     data["optimizer"] = {**data["optimizer"], "lr": float("nan"), "betas": [0.9, float("inf")]}

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin.checks import load_recipe
+from plugin.recipe.checks import load_recipe
 from plugin.hostfile import HostfileError, read_hostfile
 from plugin.launch import LaunchError, Machine, Request, build_command, main, parse, pick_launcher, \
     processes_per_node
@@ -28,7 +28,7 @@ def test_launcher_preference():
 
 
 def test_a_schedule_deepspeed_cannot_run_goes_elsewhere(tmp_path):
-    from plugin.recipe import Recipe
+    from plugin.recipe.spec import Recipe
 
     data = load_recipe("cpu_tp2_pp2").to_dict()
     data["pipeline_parallel"]["schedule"] = "gpipe"

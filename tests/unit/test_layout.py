@@ -2,8 +2,8 @@
 import pytest
 
 from plugin.errors import RecipeError
-from plugin.layout import batch_problems_for_any_data, known_grad_accum, nearest_multiple, resolve_batch, resolve_layout
-from plugin.recipe import Batch, Recipe
+from plugin.recipe.layout import batch_problems_for_any_data, known_grad_accum, nearest_multiple, resolve_batch, resolve_layout
+from plugin.recipe.spec import Batch, Recipe
 
 
 @pytest.mark.parametrize("batch,data,triple", [
@@ -107,8 +107,8 @@ def test_known_grad_accum():
 def test_a_world_mismatch_keeps_the_pipeline_rules_the_recipes_data_size_decides():
     """pipeline 2 x data 2 with global 8 at micro 4 is one micro-batch per step, whatever world is launched:
     said beside the world-size error, not only once the world is fixed."""
-    from plugin.checks import check_recipe
-    from plugin.recipe import Recipe
+    from plugin.recipe.checks import check_recipe
+    from plugin.recipe.spec import Recipe
 
     recipe = Recipe.from_dict({"name": "r", "parallelism": {"data": 2, "tensor": 1, "pipeline": 2},
                                "zero": {"stage": 1}, "batch": {"global": 8, "micro": 4}})
@@ -117,7 +117,7 @@ def test_a_world_mismatch_keeps_the_pipeline_rules_the_recipes_data_size_decides
 
 
 def test_auto_recipes_get_the_pipeline_rules_before_the_world_size_is_known():
-    from plugin.checks import check_recipe
+    from plugin.recipe.checks import check_recipe
 
     def problems(**batch):
         r = Recipe.from_dict({"name": "r", "parallelism": {"data": "auto", "pipeline": 4}, "batch": batch})

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from plugin.checks import check_recipe
+from plugin.recipe.checks import check_recipe
 from plugin.ds_config import to_accelerate_config, to_ds_config
 from plugin.errors import RecipeError
-from plugin.recipe import recipe_from_data, recipe_from_text, shipped_recipes
+from plugin.recipe.load import recipe_from_data, recipe_from_text, shipped_recipes
 from plugin.topology import Topology
 
 BASES = [json.loads(p.read_text()) for p in shipped_recipes()]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import plugin
-from plugin.checks import load_recipe
+from plugin.recipe.checks import load_recipe
 from plugin.errors import PluginError, RecipeError
 
 

@@ -13,7 +13,7 @@ from plugin.estimate import Setup, bubble_fraction, memory_per_rank, usable_memo
 from plugin.plan_recipe import to_recipe_data, written_recipe_problems
 from plugin.planner import _Search, default_global_batch, divisors, plan
 from plugin.presets import get_preset, preset_names, resolve_model
-from plugin.recipe import read_recipe, recipe_from_data
+from plugin.recipe.load import read_recipe, recipe_from_data
 from plugin.steptime import HARDWARE, forward_flops, group_inside_node, step_time
 from plugin.topology import Topology
 
@@ -69,7 +69,7 @@ def test_winner_is_written_as_a_recipe_that_validates(seven_b_recipe, tmp_path):
 
 
 def test_written_recipes_pass_the_cross_field_checks(seven_b_recipe):
-    from plugin.checks import check_recipe
+    from plugin.recipe.checks import check_recipe
 
     for p in seven_b_recipe.plans:
         recipe, _ = recipe_from_data(to_recipe_data(p, seven_b_recipe))
@@ -203,7 +203,7 @@ def test_model_from_a_json_block_or_a_recipe(tmp_path):
     assert spec == ModelSpec(layers=4, hidden=256, heads=4, vocab=1000, seq_len=128, tied_embeddings=False,
                              name="tiny")
     assert spec.is_recipe_model()
-    from plugin.recipe import find_recipe
+    from plugin.recipe.load import find_recipe
 
     assert resolve_model(str(find_recipe("tp2_dp4"))).hidden == 2048
     bad = tmp_path / "bad.json"

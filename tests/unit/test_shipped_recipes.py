@@ -5,10 +5,11 @@ import typing
 
 import pytest
 
-from plugin import recipe as recipe_mod
-from plugin.checks import validate
-from plugin.recipe import Recipe, json_key, shipped_recipes
-from plugin.schema import load_schema
+from plugin.recipe import spec as recipe_mod
+from plugin.recipe.checks import validate
+from plugin.recipe.spec import Recipe, json_key
+from plugin.recipe.load import shipped_recipes
+from plugin.recipe.schema import load_schema
 
 SHIPPED = shipped_recipes()
 EIGHT_GPU = ["dp8_zero1", "dp8_zero2", "dp8_zero3", "dp8_zero3_offload", "tp2_dp4", "tp4_dp2", "tp8", "pp2_dp4",

@@ -70,7 +70,7 @@ def test_bad_input():
 
 
 def test_from_recipe():
-    from plugin.checks import load_recipe
+    from plugin.recipe.checks import load_recipe
 
     t = Topology.from_recipe(load_recipe("tp2_auto"), world_size=8)
     assert (t.pp_size, t.dp_size, t.tp_size) == (1, 4, 2)

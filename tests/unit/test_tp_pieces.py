@@ -63,7 +63,7 @@ def test_cross_entropy_without_a_group_is_torchs():
 
 
 def test_gpt_config_from_recipe_model_and_its_errors():
-    from plugin.recipe import Model
+    from plugin.recipe.spec import Model
 
     config = GPTConfig.from_recipe_model(Model(layers=2, hidden=64, heads=8, vocab=100, seq_len=32, kv_heads=2),
                                          tie_embeddings=True)
@@ -200,7 +200,7 @@ def test_later_stages_reseed_the_default_stream_and_stage_zero_keeps_it():
 def test_apply_and_the_recipe_hook_pass_the_pipeline_rank_to_the_stream():
     from types import SimpleNamespace
 
-    from plugin.recipe import TensorParallel
+    from plugin.recipe.spec import TensorParallel
     from plugin.tensor_parallel import apply_tensor_parallel
     from plugin.tp_plan import tensor_parallel_hooks
 

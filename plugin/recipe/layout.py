@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .errors import Problem
+from ..errors import Problem
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Which ds_config keys a recipe decides, and the raw ``deepspeed`` block's keys that contradict them.
+"""The recipe's raw ``deepspeed`` block: which ds_config keys a recipe decides, and the rule that refuses raw keys
+contradicting them (:func:`check_deepspeed_block`, one of :mod:`plugin.recipe.checks`'s rules).
 
 The recipe owns the batch triple, ``gradient_clipping``, ``zero_optimization.stage`` and the offload
 devices, the pipeline's stages / partition / checkpoint interval, fp16 / bf16 ``enabled`` and the loss-scale
@@ -19,8 +20,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional
 
-from .errors import Problem
+from ..errors import Problem
 from .layout import known_grad_accum
+from .spec import LossScale, thaw
 
 # DeepSpeed's defaults for what an optimizer section leaves out: FusedAdam and DeepSpeedCPUAdam take lr 1e-3,
 # betas (0.9, 0.999), eps 1e-8, weight_decay 0; with "torch_adam": true DeepSpeed builds torch.optim.AdamW, whose
@@ -42,6 +44,20 @@ def activations_split_over_tensor(recipe) -> bool:
     off one process at step 2, 5 % at step 7, exit 0), so the recipe turns it off there."""
     return recipe.tensor_parallel.sequence_parallel and recipe.parallelism.tensor > 1 \
         and recipe.parallelism.pipeline > 1
+
+
+# DeepSpeed's optimizer type per Adam of the recipe ("SGD" is torch.optim.SGD, looked up by name).
+_DS_OPTIMIZER = {"adamw": "AdamW", "adam": "Adam"}
+
+
+def ds_optimizer(opt) -> dict:
+    """The recipe's optimizer as a DeepSpeed optimizer section that builds exactly it (see :mod:`plugin.recipe.deepspeed_block`)."""
+    if opt.name == "sgd":
+        return {"type": "SGD", "params": {"lr": opt.lr, "momentum": opt.momentum, "weight_decay": opt.weight_decay}}
+    params = {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay}
+    if opt.name == "adam":
+        params["adam_w_mode"] = False  # DeepSpeed's "Adam" is AdamW unless told otherwise
+    return {"type": _DS_OPTIMIZER[opt.name], "params": params}
 
 
 ABSENT = object()  # an owned key the recipe leaves out on purpose: any raw value contradicts it
@@ -128,8 +144,6 @@ def owned_keys(recipe, layout) -> dict:
     for old, new in (("cpu_offload", "optimizer"), ("cpu_offload_param", "param")):
         zero[old] = Owned(ABSENT, f"$.zero.offload_{new}", f"it is DeepSpeed's deprecated alias of offload_{new}")
     tree["zero_optimization"] = zero
-    from .recipe import LossScale
-
     scale = recipe.fp16 or LossScale()
     fp16 = {"enabled": Owned(recipe.precision == "fp16", "$.precision")}
     for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
@@ -224,3 +238,15 @@ def optimizer_problems(recipe, ours: Optional[Mapping], raw) -> Iterator[Problem
 
 def _listed(v):
     return list(v) if isinstance(v, tuple) else v
+
+
+def check_deepspeed_block(recipe, layout) -> Iterator[Problem]:
+    """Errors for keys of the raw ``deepspeed`` block that contradict what the recipe decides, defaults included
+    (:func:`owned_keys`, :func:`optimizer_problems`); ``layout`` may be ``None`` ("auto" before the world size is known)."""
+    if recipe.deepspeed is None:
+        return
+    block = thaw(recipe.deepspeed)
+    rest = {k: v for k, v in block.items() if k != "optimizer"}
+    yield from owned_problems(owned_keys(recipe, layout), rest, "$.deepspeed")
+    if "optimizer" in block:
+        yield from optimizer_problems(recipe, ds_optimizer(recipe.optimizer), block["optimizer"])

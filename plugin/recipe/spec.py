@@ -1,9 +1,9 @@
-"""A recipe: JSON on disk -> schema-validated -> frozen dataclasses.
+"""A recipe as frozen dataclasses, and the conversion between them and the recipe's JSON data.
 
 JSON keys equal the dataclass field names, except where Python forbids the name: ``"$schema"`` is
 ``Recipe.schema`` and ``batch.global`` is ``Batch.global_`` (each field's ``metadata["json"]`` says so).
-No other shape is accepted: :func:`read_recipe` rejects unknown keys (with a "did you mean"), wrong types
-and out-of-range values, all at once. Cross-field rules live in :mod:`plugin.checks`.
+No other shape is accepted: :func:`plugin.recipe.load.read_recipe` rejects unknown keys (with a "did you mean"), wrong types
+and out-of-range values, all at once. Cross-field rules live in :mod:`plugin.recipe.checks`.
 
 Pure: no torch, no deepspeed.
 """
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
-from .errors import Problem, RecipeError
-from .jsontext import INVALID, parse_json  # noqa: F401  (parse_json is part of this module's API)
+from ..errors import RecipeError
+from .layout import Layout, resolve_layout
 
 
 def _json(key: str) -> dict:
@@ -138,10 +138,8 @@ class Recipe:
         """The JSON form: every field under its JSON key, ``None`` fields left out."""
         return _unbuild(self)
 
-    def layout(self, world_size: Optional[int] = None):
-        """The resolved sizes (:class:`plugin.layout.Layout`); raises :class:`RecipeError` if they do not fit."""
-        from .layout import resolve_layout
-
+    def layout(self, world_size: Optional[int] = None) -> Layout:
+        """The resolved sizes (:class:`plugin.recipe.layout.Layout`); raises :class:`RecipeError` if they do not fit."""
         layout, problems = resolve_layout(self, world_size)
         if layout is None:
             raise RecipeError([p.with_file(self.source) for p in problems])
@@ -174,11 +172,12 @@ def _freeze(value):
     return value
 
 
-def _thaw(value):
+def thaw(value):
+    """A frozen value (a recipe field: mapping proxies, tuples) as plain JSON data: dicts and lists."""
     if isinstance(value, Mapping):
-        return {k: _thaw(v) for k, v in value.items()}
+        return {k: thaw(v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
-        return [_thaw(v) for v in value]
+        return [thaw(v) for v in value]
     return value
 
 
@@ -208,76 +207,5 @@ def _unbuild(obj) -> dict:
         value = getattr(obj, f.name)
         if key is None or value is None:
             continue
-        out[key] = _unbuild(value) if dataclasses.is_dataclass(value) else _thaw(value)
+        out[key] = _unbuild(value) if dataclasses.is_dataclass(value) else thaw(value)
     return out
-
-
-# ---------------------------------------------------------------- finding and reading recipes
-def shipped_recipes() -> list[Path]:
-    """The recipes that come with the plugin, sorted by name."""
-    from ._paths import recipes_dir
-
-    return sorted(recipes_dir().glob("*.json"))
-
-
-def find_recipe(ref: Union[str, Path]) -> Path:
-    """A recipe file from a path, or from a shipped recipe's name (``tp2_dp4`` or ``tp2_dp4.json``)."""
-    path = Path(ref)
-    if path.is_file():
-        return path
-    if path.parent == Path(".") or str(path.parent) == "":
-        name = path.name if path.suffix == ".json" else path.name + ".json"
-        shipped = {p.name: p for p in shipped_recipes()}
-        if name in shipped:
-            return shipped[name]
-        import difflib
-
-        stems = sorted(n[:-5] for n in shipped)
-        close = difflib.get_close_matches(name[:-5], stems, n=3, cutoff=0.7)
-        hint = f"did you mean {' or '.join(close)}?" if close else \
-            f"give a path, or one of the shipped recipes: {', '.join(stems)}"
-        raise RecipeError([Problem("$", f"no recipe file {str(ref)!r} and no shipped recipe of that name", hint,
-                                   file=str(ref))])
-    raise RecipeError([Problem("$", f"recipe file {str(ref)!r} does not exist", "check the path", file=str(ref))])
-
-
-def read_recipe(ref: Union[str, Path]) -> Recipe:
-    """Read, parse and schema-validate a recipe; raise :class:`RecipeError` with every problem found.
-
-    Cross-field rules (world size, batch triple, divisibility...) are :func:`plugin.checks.check_recipe`'s.
-    """
-    recipe, problems = read_recipe_problems(ref)
-    if recipe is None:
-        raise RecipeError(problems)
-    return recipe
-
-
-def read_recipe_problems(ref: Union[str, Path]) -> tuple[Optional[Recipe], list[Problem]]:
-    """Like :func:`read_recipe` but returns ``(recipe or None, problems)`` instead of raising."""
-    try:
-        path = find_recipe(ref)
-    except RecipeError as e:
-        return None, list(e.problems)
-    file = str(ref) if Path(ref).is_file() else str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        return None, [Problem("$", f"cannot read the file: {e}", "check the path and its permissions", file=file)]
-    return recipe_from_text(text, file)
-
-
-def recipe_from_text(text: str, file: str = "") -> tuple[Optional[Recipe], list[Problem]]:
-    data, problems = parse_json(text, file)
-    if data is INVALID:
-        return None, problems
-    return recipe_from_data(data, file, problems)
-
-
-def recipe_from_data(data: Any, file: str = "", problems: Optional[list] = None) -> tuple[Optional[Recipe], list[Problem]]:
-    """A dict -> (Recipe, problems) after the schema; ``None`` when the schema rejects it."""
-    from .schema import schema_problems
-
-    problems = list(problems or []) + [p.with_file(file) for p in schema_problems(data)]
-    if any(p.is_error for p in problems):
-        return None, problems
-    return Recipe.from_dict(data, source=file), problems

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from typing import Any, Iterable
 
-from .errors import Problem
+from ..errors import Problem
 
 
 class _Invalid:
@@ -67,10 +67,30 @@ def _too_long_integer(text: str, limit: int) -> tuple[str, int, int]:
     return "", 0, 0
 
 
+def json_path(parts: Iterable[Any]) -> str:
+    """``$.batch.global``, ``$.deepspeed["a b"]``, ``$.x[0]``: the JSONPath-like name of a place in a document."""
+    out = "$"
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif isinstance(p, str) and p.replace("_", "").isalnum():
+            out += f".{p}"
+        else:
+            out += f"[{json.dumps(p)}]"
+    return out
+
+
+def json_type(value) -> str:
+    """JSON's name for the type of a parsed value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return {dict: "an object", list: "an array", str: "a string"}.get(type(value), "a number")
+
+
 def walk_json(value, path: str = "$"):
     """(path, value) of every node, in document order."""
-    from .schema import json_path
-
     yield path, value
     if isinstance(value, dict):
         for k, v in value.items():

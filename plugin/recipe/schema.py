@@ -11,13 +11,13 @@ import json
 import math
 from typing import Any, Iterable
 
-from .errors import Problem
+from ..errors import Problem
+from .jsontext import json_path, json_type, walk_json
+from .paths import schema_path
 
 
 @functools.lru_cache(maxsize=1)
 def load_schema() -> dict:
-    from ._paths import schema_path
-
     with open(schema_path(), encoding="utf-8") as f:
         return json.load(f)
 
@@ -35,18 +35,6 @@ def _validator():
     cls = jsonschema.validators.extend(base, type_checker=types)
     # An empty registry that retrieves nothing: references resolve inside this schema file only.
     return cls(schema, registry=Registry(), format_checker=base.FORMAT_CHECKER)
-
-
-def json_path(parts: Iterable[Any]) -> str:
-    out = "$"
-    for p in parts:
-        if isinstance(p, int):
-            out += f"[{p}]"
-        elif isinstance(p, str) and p.replace("_", "").isalnum():
-            out += f".{p}"
-        else:
-            out += f"[{json.dumps(p)}]"
-    return out
 
 
 def _did_you_mean(word: str, choices: Iterable[str]) -> str:
@@ -82,15 +70,6 @@ def _describe(schema: dict) -> str:
     if "exclusiveMaximum" in schema:
         bounds.append(f"< {schema['exclusiveMaximum']}")
     return words + (" " + " and ".join(bounds) if bounds else "")
-
-
-def json_type(value) -> str:
-    """JSON's name for the type of a parsed value."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return {dict: "an object", list: "an array", str: "a string"}.get(type(value), "a number")
 
 
 def _integral_float(inst, schema: dict) -> bool:
@@ -166,8 +145,6 @@ def _problem(error) -> list[Problem]:
 
 def _nonfinite(value) -> Iterable[Problem]:
     """NaN and infinities anywhere (a dict built in Python; recipe text with them never parses)."""
-    from .jsontext import walk_json
-
     for path, v in walk_json(value):
         if isinstance(v, float) and not math.isfinite(v):
             yield Problem(path, f"{v} is not a finite number (JSON has no NaN or Infinity)", "write a finite number")

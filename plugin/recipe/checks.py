@@ -2,7 +2,7 @@
 
 Every rule an engine would assert minutes into a launch (world size, batch triple, ZeRO-2/3 with
 pipelines, divisibility by the tensor degree...) is a recipe-time error here. Each ``check_*`` function is
-one rule family: it receives the recipe and its resolved :class:`~plugin.layout.Layout` (``None`` when
+one rule family: it receives the recipe and its resolved :class:`~plugin.recipe.layout.Layout` (``None`` when
 the sizes could not be resolved) and yields :class:`~plugin.errors.Problem` s. Pure: no torch.
 """
 from __future__ import annotations
@@ -11,9 +11,11 @@ import math
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
-from .errors import WARNING, Problem, RecipeError
+from ..errors import WARNING, Problem, RecipeError
+from .deepspeed_block import check_deepspeed_block
 from .layout import Layout, batch_problems_for_any_data, known_grad_accum, resolve_layout
-from .recipe import Recipe, read_recipe_problems
+from .spec import Recipe
+from .load import read_recipe_problems
 
 Problems = Iterator[Problem]
 
@@ -213,14 +215,6 @@ def check_name(recipe: Recipe, layout: Optional[Layout]) -> Problems:
     if stem and stem != recipe.name:
         yield Problem("$.name", f'name "{recipe.name}" differs from the file name "{Path(recipe.source).name}"',
                       f'rename the file to {recipe.name}.json, or set "name": "{stem}"', WARNING)
-
-
-def check_deepspeed_block(recipe: Recipe, layout: Optional[Layout]) -> Problems:
-    if recipe.deepspeed is None:
-        return
-    from .ds_config import deepspeed_block_problems
-
-    yield from deepspeed_block_problems(recipe, layout)
 
 
 RULES = (check_zero, check_batch_and_world, check_model_dims, check_tensor_parallel, check_pipeline,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parent.parent  # plugin/, the package this module's room sits in
 
 
 def data_dir(kind: str) -> Path:
