@@ -45,7 +45,7 @@ def recipe_for(name, stage):
 def hand_config(recipe, model, sized: bool) -> dict:
     """The exported ds_config (``python -m plugin export``) with its optimizer block dropped for a torch
     optimizer; ``sized``: plus the engine's documented adjustments, written out here, not taken from it."""
-    from plugin.ds_config import to_ds_config
+    from plugin.interop.deepspeed_config import to_ds_config
     from plugin.engines.deepspeed import size_buckets
 
     config = to_ds_config(recipe)

@@ -70,9 +70,10 @@ def layers_of(model) -> list:
 def _warn_on_launch_precision(recipe: Recipe, env) -> None:
     """``accelerate launch --mixed_precision X`` that disagrees with the recipe: the recipe decides; say so once."""
     from .backends import ACCELERATE_MARK
+    from .interop.precision import PRECISIONS
 
     launched = os.environ.get(ACCELERATE_MARK)
-    wanted = {"fp32": "no"}.get(recipe.precision, recipe.precision)
+    wanted = PRECISIONS[recipe.precision].accelerate
     if env.is_main and launched not in (None, wanted):
         print(f"{recipe.source}: $.precision: warning: accelerate launch --mixed_precision {launched} is ignored; the "
               f'recipe\'s "precision": "{recipe.precision}" decides -> launch with --mixed_precision {wanted}',

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 from .hostfile import HostfileError, read_hostfile
+from .interop.precision import PRECISIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RECIPE = "cpu_dp4"
@@ -249,7 +250,7 @@ def build_command(recipe_path: str, recipe, req: Request, machine: Machine,
                "--main_process_ip", addr, "--main_process_port", str(port)]
         if nproc * req.nodes > 1:
             cmd.insert(3, "--multi_gpu")  # with ACCELERATE_USE_CPU this is gloo over N CPU processes
-        cmd += ["--mixed_precision", {"fp32": "no"}.get(recipe.precision, recipe.precision), "--dynamo_backend", "no"]
+        cmd += ["--mixed_precision", PRECISIONS[recipe.precision].accelerate, "--dynamo_backend", "no"]
         cmd += train
         if not machine.gpus:
             env["ACCELERATE_USE_CPU"] = "true"

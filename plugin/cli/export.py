@@ -23,7 +23,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..ds_config import to_accelerate_config, to_ds_config
+    from ..interop.accelerate_config import to_accelerate_config
+    from ..interop.deepspeed_config import to_ds_config
 
     if args.to == "deepspeed" and (args.cpu or not args.deepspeed):
         flag = "--cpu" if args.cpu else "--no-deepspeed"

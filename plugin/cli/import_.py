@@ -22,7 +22,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..recipe.checks import check_recipe
-    from ..ds_config import from_ds_config
+    from ..interop.deepspeed_config import from_ds_config
     from ..recipe.jsontext import INVALID, parse_json
     from ..recipe.load import recipe_from_data
     from ..recipe.jsontext import json_type

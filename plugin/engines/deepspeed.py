@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..ds_config import to_ds_config
+from ..interop.deepspeed_config import to_ds_config
 from ..optim import build_optimizer, param_groups
 from ..tensor_parallel.random import tensor_parallel_rngs
 from ..tensor_parallel.recompute import checkpoint_func
@@ -86,7 +86,7 @@ def size_buckets(zero: dict, numels: list[int], dp: int) -> None:
         zero.setdefault(key, value)  # a value from the recipe's raw deepspeed block is already there
 
 
-# The keys engine_config changes in the exported ds_config (plugin.ds_config.to_ds_config), and why. The README
+# The keys engine_config changes in the exported ds_config (plugin.interop.deepspeed_config.to_ds_config), and why. The README
 # ("what the engine adds to the export") lists the same; a test compares the config a running engine
 # holds with the export key by key and allows these differences only.
 ENGINE_ADJUSTED_KEYS = {

@@ -22,7 +22,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 from ..errors import Problem
 from .layout import known_grad_accum
-from .spec import LossScale, thaw
+from .spec import thaw
 
 # DeepSpeed's defaults for what an optimizer section leaves out: FusedAdam and DeepSpeedCPUAdam take lr 1e-3,
 # betas (0.9, 0.999), eps 1e-8, weight_decay 0; with "torch_adam": true DeepSpeed builds torch.optim.AdamW, whose
@@ -144,7 +144,7 @@ def owned_keys(recipe, layout) -> dict:
     for old, new in (("cpu_offload", "optimizer"), ("cpu_offload_param", "param")):
         zero[old] = Owned(ABSENT, f"$.zero.offload_{new}", f"it is DeepSpeed's deprecated alias of offload_{new}")
     tree["zero_optimization"] = zero
-    scale = recipe.fp16 or LossScale()
+    scale = recipe.fp16_resolved
     fp16 = {"enabled": Owned(recipe.precision == "fp16", "$.precision")}
     for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
         fp16[key] = Owned(getattr(scale, key), f"$.fp16.{key}")

@@ -146,6 +146,11 @@ class Recipe:
         return layout
 
     @property
+    def fp16_resolved(self) -> LossScale:
+        """The fp16 loss-scale block, or its defaults when the recipe gives none."""
+        return self.fp16 if self.fp16 is not None else LossScale()
+
+    @property
     def file_stem(self) -> str:
         return Path(self.source).stem if self.source else ""
 

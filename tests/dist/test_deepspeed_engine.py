@@ -10,7 +10,7 @@
   - DeepSpeed's pipeline engine runs with activation partitioning off (``is_pipe_partitioned`` /
     ``is_grad_partitioned``): stage outputs are sequence slices, not replicated;
 * the config each running engine holds (``DeepSpeedEngine.config``) equals the exported ds_config
-  (:func:`plugin.ds_config.to_ds_config`) key by key, but for the keys the engine documents it adjusts
+  (:func:`plugin.interop.deepspeed_config.to_ds_config`) key by key, but for the keys the engine documents it adjusts
   (:data:`plugin.engines.deepspeed.ENGINE_ADJUSTED_KEYS`), for that pipeline, ZeRO-1 with optimizer offload
   at tp2 x dp2, and ZeRO-3 at dp4.
 
@@ -73,7 +73,7 @@ def _differences(got, want, prefix=""):
 
 
 def _config_gap(engine, recipe):
-    from plugin.ds_config import to_ds_config
+    from plugin.interop.deepspeed_config import to_ds_config
 
     return sorted(_differences(engine.ds.config, to_ds_config(recipe, 4)))
 

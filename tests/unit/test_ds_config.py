@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from plugin.recipe.checks import load_recipe
-from plugin.ds_config import DEEPSPEED_DEFAULT_GRADIENT_CLIPPING, from_ds_config, to_accelerate_config, to_ds_config
+from plugin.interop.deepspeed_config import DEEPSPEED_DEFAULT_GRADIENT_CLIPPING, from_ds_config, to_ds_config
+from plugin.interop.accelerate_config import to_accelerate_config
 from plugin.recipe.load import recipe_from_data, shipped_recipes
 
 ROOT = Path(__file__).resolve().parents[2]

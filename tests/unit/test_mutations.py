@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from plugin.recipe.checks import check_recipe
-from plugin.ds_config import to_accelerate_config, to_ds_config
+from plugin.interop.accelerate_config import to_accelerate_config
+from plugin.interop.deepspeed_config import to_ds_config
 from plugin.errors import RecipeError
 from plugin.recipe.load import recipe_from_data, recipe_from_text, shipped_recipes
 from plugin.topology import Topology

@@ -1,0 +1,82 @@
+"""Recipe -> an ``accelerate launch --config_file`` YAML (:func:`to_accelerate_config`). Pure: no accelerate import.
+
+The YAML is written by hand (a few scalar types, nested maps): Accelerate reads it with PyYAML, which the
+plugin does not need otherwise.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from .precision import PRECISIONS
+
+
+def _yaml_scalar(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _yaml(data: Mapping, indent: int = 0) -> list[str]:
+    lines = []
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            lines.append(" " * indent + f"{key}:")
+            lines.extend(_yaml(value, indent + 2))
+        else:
+            lines.append(" " * indent + f"{key}: {_yaml_scalar(value)}")
+    return lines
+
+
+def to_accelerate_config(recipe, world_size: Optional[int] = None, *, cpu: bool = False,
+                         deepspeed: bool = True) -> str:
+    """An ``accelerate launch --config_file`` YAML for ``recipe``.
+
+    tensor = pipeline = 1: ZeRO 0 is Accelerate's DDP (MULTI_GPU, or MULTI_CPU with ``cpu``); ZeRO >= 1 is
+    its DeepSpeed plugin with the recipe's stage, offload, accumulation and clipping (that plugin needs
+    deepspeed and transformers installed where it runs). ``deepspeed=False``, for machines without it: ZeRO >= 1
+    is a plain MULTI_GPU launch too, and train.py picks Accelerate's FSDP2 plugin (CUDA, ZeRO-2/3) or the
+    plugin's native back end, as :func:`plugin.backends.accelerate_mode` decides. With tensor or pipeline > 1
+    Accelerate only launches the processes (MULTI_GPU/MULTI_CPU) and train.py runs the plugin's native
+    back end, which builds those groups itself.
+    """
+    layout = recipe.layout(world_size)
+    nodes = recipe.cluster.nodes if recipe.cluster else 1
+    mixed = PRECISIONS[recipe.precision].accelerate
+    native_only = layout.tensor > 1 or layout.pipeline > 1
+    cfg: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE", "debug": False}
+    if cpu:
+        cfg["distributed_type"] = "MULTI_CPU" if layout.world_size > 1 else "NO"
+    elif recipe.zero.stage >= 1 and not native_only and deepspeed:
+        z = recipe.zero
+        ds = {"gradient_accumulation_steps": layout.grad_accum, "gradient_clipping": float(recipe.gradient_clipping),
+              "offload_optimizer_device": z.offload_optimizer, "offload_param_device": z.offload_param,
+              "zero3_init_flag": z.stage == 3, "zero_stage": z.stage}
+        if z.nvme_path:
+            ds["offload_optimizer_nvme_path"] = ds["offload_param_nvme_path"] = z.nvme_path
+        if nodes > 1:
+            ds["deepspeed_multinode_launcher"] = "standard"
+        cfg["distributed_type"] = "DEEPSPEED"
+        cfg["deepspeed_config"] = ds
+    else:
+        cfg["distributed_type"] = "MULTI_GPU" if layout.world_size > 1 else "NO"
+    cfg.update({"machine_rank": 0, "main_training_function": "main", "mixed_precision": mixed,
+                "num_machines": nodes, "num_processes": layout.world_size, "rdzv_backend": "static",
+                "same_network": True, "use_cpu": cpu})
+    header = [f"# accelerate config for recipe {recipe.name!r} ({layout.world_size} processes)"]
+    if native_only:
+        header.append("# tensor/pipeline parallelism: accelerate launches, the plugin's native back end trains")
+    elif cfg["distributed_type"] == "DEEPSPEED":
+        header.append("# needs deepspeed and transformers installed (Accelerate's DeepSpeed plugin imports "
+                      "transformers); export with --no-deepspeed for a machine without them")
+    elif recipe.zero.stage >= 1 and not deepspeed:
+        header.append(f"# ZeRO-{recipe.zero.stage} without deepspeed: accelerate launches the processes; train.py "
+                      "runs Accelerate's FSDP2 plugin (CUDA, ZeRO-2/3) or the plugin's native back end")
+    elif recipe.zero.stage >= 1:  # cpu: MULTI_CPU launches; train.py picks the mode (plugin.backends)
+        header.append(f"# ZeRO-{recipe.zero.stage} on CPU: accelerate launches the processes; train.py runs "
+                      "Accelerate's DeepSpeed plugin where deepspeed and transformers are installed, else the "
+                      "plugin's native back end")
+    return "\n".join(header + _yaml(cfg)) + "\n"
