@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from .dims import ModelSpec
-from .estimate import bubble_fraction
+from .planning.memory import bubble_fraction
 from .steptime import group_inside_node
 from .units import fmt_gb, fmt_seconds
 

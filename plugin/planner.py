@@ -6,7 +6,7 @@ recompute mode and every micro-batch size that divides the per-replica batch; ea
 its fastest micro-batch (so the top K are K different layouts, not one layout's micro-batch sizes).
 A layout is valid when the tensor size divides heads, kv_heads, hidden and ffn_hidden, the pipeline has
 no more stages than layers, and the data size divides the global batch. Those whose most loaded rank
-fits in the usable memory (:func:`plugin.estimate.usable_memory`) are ranked by
+fits in the usable memory (:func:`plugin.planning.memory.usable_memory`) are ranked by
 :func:`plugin.steptime.step_time` (DeepSpeed's overlap behaviour, see there), ties by memory.
 
 Tensor groups stay inside a node: layouts whose tensor groups would cross nodes are tried only when no
@@ -15,7 +15,7 @@ first micro-batch that does not fit; 512 GPUs take well under a second. A cluste
 (a recipe's ``cluster`` is nodes x gpus_per_node): more GPUs than one node holds must be a multiple of it.
 
 The recompute modes are what a recipe (v1) can say: ``none`` and ``full`` (``pipeline_parallel.
-activation_checkpoint_interval`` = 1). Selective recompute is estimated (:mod:`plugin.estimate`) but a
+activation_checkpoint_interval`` = 1). Selective recompute is estimated (:mod:`plugin.planning.memory`) but a
 recipe has no field for it, so it is not searched. Attention is taken as fused (FlashAttention), a SwiGLU
 MLP as a fused kernel (6sbf), dropout masks as counted when the model's dropout is above 0.
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from .dims import ModelSpec, params_text
-from .estimate import Breakdown, Setup, memory_per_rank, usable_memory
+from .planning.memory import Breakdown, Setup, memory_per_rank, usable_memory
 from .plan_reasons import explain
 from .steptime import HARDWARE, Hardware, StepTime, group_inside_node, step_time
 from .units import fmt_gb

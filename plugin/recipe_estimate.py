@@ -1,4 +1,4 @@
-"""Estimates for a recipe: its layout as a :class:`plugin.estimate.Setup`, memory, traffic, time, verdict.
+"""Estimates for a recipe: its layout as a :class:`plugin.planning.memory.Setup`, memory, traffic, time, verdict.
 
 A recipe's ``model`` block is the reference GPT (:meth:`plugin.dims.ModelSpec.from_recipe_model`); its
 ``pipeline_parallel.activation_checkpoint_interval`` k > 0 is full recompute with a checkpoint every k
@@ -14,8 +14,7 @@ from typing import Optional
 from .dims import ModelSpec
 from .errors import Problem, RecipeError
 from .communication import CommTerm, communication_per_rank
-from .estimate import (Breakdown, ModelStates, Setup, bubble_fraction, expected_model_states, host_model_states,
-                       memory_per_rank, usable_memory)
+from .planning.memory import Breakdown, ModelStates, Setup, bubble_fraction, expected_model_states, host_model_states, memory_per_rank, usable_memory
 from .steptime import HARDWARE, Hardware, StepTime, step_time
 
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from .dims import ModelSpec
 from .communication import communication_per_rank
-from .estimate import Setup, bubble_fraction
+from .planning.memory import Setup, bubble_fraction
 
 
 @dataclass(frozen=True)

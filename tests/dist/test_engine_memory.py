@@ -14,7 +14,7 @@ value instead of a slack:
 - ``other``: the gradient reduction bucket, ``reduce_bucket_size`` elements, which ZeRO-1 allocates at a
   micro-batch's first gradient and frees only at the accumulation boundary (so it is alive here), and
   ZeRO-3 keeps; ZeRO-0 has none and ZeRO-2 frees it at the end of each backward. Estimates leave it to
-  the fit verdict's reserve (:func:`plugin.estimate.usable_memory`).
+  the fit verdict's reserve (:func:`plugin.planning.memory.usable_memory`).
 """
 import dataclasses
 

@@ -13,10 +13,7 @@ import pytest
 
 from plugin.communication import communication_per_rank
 from plugin.dims import ModelSpec
-from plugin.estimate import (Setup, activation_bytes_per_layer, activation_terms_per_layer, bubble_fraction,
-                             expected_model_states, host_model_states,
-                             memory_per_rank, micro_batches_in_flight, model_state_bytes, model_state_terms,
-                             stage_memory, state_bytes_per_param, usable_memory)
+from plugin.planning.memory import Setup, activation_bytes_per_layer, activation_terms_per_layer, bubble_fraction, expected_model_states, host_model_states, memory_per_rank, micro_batches_in_flight, model_state_bytes, model_state_terms, stage_memory, state_bytes_per_param, usable_memory
 from plugin.presets import get_preset
 
 GB = 1e9
@@ -397,12 +394,12 @@ def test_stage_params_add_up():
 
 
 def test_the_issue_names_are_reachable_from_plugin_estimate():
-    """The per-recipe total and the communication terms live in their own modules; plugin.estimate names them."""
+    """The per-recipe total and the communication terms live in their own modules; plugin.planning.memory names them."""
     import plugin.communication
-    import plugin.estimate
+    import plugin.planning.memory
     import plugin.recipe_estimate
 
-    assert plugin.estimate.communication_per_rank is plugin.communication.communication_per_rank
-    assert plugin.estimate.estimate_recipe is plugin.recipe_estimate.estimate_recipe
+    assert plugin.planning.memory.communication_per_rank is plugin.communication.communication_per_rank
+    assert plugin.planning.memory.estimate_recipe is plugin.recipe_estimate.estimate_recipe
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        plugin.estimate.nope
+        plugin.planning.memory.nope

@@ -9,7 +9,7 @@ import pytest
 
 from plugin.dims import ModelSpec
 from plugin.errors import RecipeError
-from plugin.estimate import Setup, bubble_fraction, memory_per_rank, usable_memory
+from plugin.planning.memory import Setup, bubble_fraction, memory_per_rank, usable_memory
 from plugin.plan_recipe import to_recipe_data, written_recipe_problems
 from plugin.planner import _Search, default_global_batch, divisors, plan
 from plugin.presets import get_preset, preset_names, resolve_model

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from .dims import ModelSpec
+from ..dims import ModelSpec
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
@@ -428,4 +428,4 @@ def __getattr__(name: str):
         import importlib
 
         return getattr(importlib.import_module(f"plugin.{_ELSEWHERE[name]}"), name)
-    raise AttributeError(f"module 'plugin.estimate' has no attribute {name!r}")
+    raise AttributeError(f"module 'plugin.planning.memory' has no attribute {name!r}")
