@@ -5,7 +5,7 @@
 Builds one pre-norm GPT block (LayerNorm, fused QKV, attention, projection, GELU MLP, dropout after
 attention and MLP) in bf16 on the CPU, runs its forward under ``torch.autograd.graph.saved_tensors_hooks``
 and adds up the storage of every tensor autograd keeps (each storage once, parameters left out). That
-total is compared with :func:`plugin.planning.memory.activation_bytes_per_layer` for the same shapes:
+total is compared with :func:`plugin.planning.activations.activation_bytes_per_layer` for the same shapes:
 
 - eager attention (softmax materialised) against Korthikanti et al. 2022 Table 2, sbh(34 + 5as/h);
 - ``F.scaled_dot_product_attention`` against ``fused_attention=True`` (no softmax stored). On the CPU
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from plugin.planning.memory import activation_bytes_per_layer, activation_terms_per_layer  # noqa: E402
+from plugin.planning.activations import activation_bytes_per_layer, activation_terms_per_layer  # noqa: E402
 
 SHAPES = [(256, 2, 512, 8), (512, 1, 256, 4), (128, 4, 1024, 16), (1024, 1, 512, 8)]
 

@@ -85,7 +85,7 @@ def worker(steps: int) -> None:
     from plugin.data import TextBatches, micro_batches, shard_rows
     from plugin.engines.memory import held_bytes
     from plugin.models.gpt import GPT, GPTConfig
-    from plugin.recipe_estimate import expected_model_states_for_recipe
+    from plugin.planning.for_recipe import expected_model_states_for_recipe
 
     rows = []
     for name, stage in CASES:
@@ -163,7 +163,7 @@ def main() -> None:
         print(f"{r['case']:<20}{r['ours_ms']:>10.1f}{r['same_ms']:>16.1f}{r['ours_ms'] / r['same_ms']:>7.3f}"
               f"{r['default_ms']:>19.1f}{r['ours_ms'] / r['default_ms']:>7.3f}{r['default_other'] / 1e6:>17.1f} MB")
     print("\nBytes one rank holds (rank 0) against theory (ZeRO paper's formulas, fp32 Adam; "
-          "plugin.recipe_estimate)\n")
+          "plugin.planning.for_recipe)\n")
     print(f"{'recipe':<20}{'kind':<18}{'held':>11}{'theory':>11}{'ratio':>8}")
     for r in rows:
         for kind in ("parameters", "gradients", "optimizer_states"):

@@ -9,7 +9,7 @@ DeepSpeed's ``estimate_zero2_model_states_mem_needs`` and ``estimate_zero3_model
   on the partition), or 2 Psi with the optimizer offloaded;
 - ZeRO-3: 4 x largest_layer + 18 Psi / N, or 4 x largest_layer + 2 Psi / N offloading the optimizer.
 
-Ours (:func:`plugin.planning.memory.model_state_bytes`) is the ZeRO paper's 2 Psi + (2 + K) Psi / N with K = 12:
+Ours (:func:`plugin.planning.model_states.model_state_bytes`) is the ZeRO paper's 2 Psi + (2 + K) Psi / N with K = 12:
 it leaves out the fp32 gradient partition DeepSpeed creates in the optimizer step (4 Psi / N, the whole
 difference): DeepSpeed frees the 16-bit gradients and the activations before it, so it is a transient
 that does not add to the backward peak we count. At ZeRO-3 :func:`plugin.planning.memory.memory_per_rank` adds
@@ -25,8 +25,10 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from plugin.planning.memory import Setup, memory_per_rank, model_state_bytes  # noqa: E402
-from plugin.presets import get_preset  # noqa: E402
+from plugin.planning.setup import Setup  # noqa: E402
+from plugin.planning.memory import memory_per_rank  # noqa: E402
+from plugin.planning.model_states import model_state_bytes  # noqa: E402
+from plugin.planning.presets import get_preset  # noqa: E402
 
 MODELS = ["llama2-7b", "gpt3-13b", "llama2-70b", "gpt3-175b"]
 GPUS = [8, 64, 512]

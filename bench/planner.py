@@ -3,7 +3,7 @@
     python bench/planner.py [--gpus 512] [--repeats 5]
 
 One table: per model preset the layouts the search considered and kept (fitting 80 GB), the median wall
-time of ``plugin.planner.plan`` (in this process, imports done) and its ratio to the goal (1 s); then the
+time of ``plugin.planning.search.plan`` (in this process, imports done) and its ratio to the goal (1 s); then the
 CLI end to end (``python -m plugin plan --model llama2-70b ... --json``, interpreter start included) next
 to a bare ``python -c pass``, against its goal (3 s). Pure code: no torch is imported.
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from plugin.planner import plan  # noqa: E402
-from plugin.presets import get_preset, preset_names  # noqa: E402
+from plugin.planning.search import plan  # noqa: E402
+from plugin.planning.presets import get_preset, preset_names  # noqa: E402
 
 SEARCH_GOAL_S = 1.0  # one plan() call, any preset, 512 GPUs
 CLI_GOAL_S = 3.0  # `python -m plugin plan` end to end, interpreter start included

@@ -26,7 +26,7 @@ def positive_int(text: str) -> int:
 
 def size(text: str) -> float:
     """An argparse type for memory sizes: ``80GB``, ``80GiB`` or ``80`` (GB)."""
-    from ..units import parse_size
+    from ..planning.units import parse_size
 
     try:
         return parse_size(text)

@@ -1,10 +1,10 @@
 """``python -m plugin plan --model NAME|PATH.json --gpus N --gpu-memory 80GB ...``: the fastest layouts that fit.
 
 Searches every tensor x pipeline x data layout, ZeRO stage, micro-batch, recompute (none or full: a v1
-recipe has no field for selective recompute) and sequence-parallel choice (:mod:`plugin.planner`), keeps
+recipe has no field for selective recompute) and sequence-parallel choice (:mod:`plugin.planning.search`), keeps
 those whose most loaded rank fits, ranks them by a roofline step time and prints the top K with the reason
 for each place and the assumptions behind the ranking. ``--write`` ranks the model the written recipe
-describes (the reference GPT of the model's dimensions, :mod:`plugin.plan_recipe`), saves the winner, and
+describes (the reference GPT of the model's dimensions, :mod:`plugin.planning.to_recipe`), saves the winner, and
 refuses to write it unless ``estimate`` of the recipe agrees with the plan and says it fits.
 
 Exit codes: 0 a layout fits, 3 none fits (the output says how far off the closest is and what to change),
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from ..errors import RecipeError
-from ..units import fmt_gb, fmt_seconds
+from ..planning.units import fmt_gb, fmt_seconds
 from .common import positive_int, print_json, print_problems, print_table, size
 
 NOTHING_FITS = 3
@@ -53,8 +53,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..planner import plan
-    from ..presets import resolve_model
+    from ..planning.search import plan
+    from ..planning.presets import resolve_model
 
     try:
         spec = resolve_model(args.model)
@@ -92,7 +92,7 @@ def _write(result, path: Path):
     """Write the winner as a recipe after checking that it validates, passes the cross-field checks and that
     ``estimate`` of it agrees with the plan and fits; (path, exit code)."""
     from ..recipe.checks import check_recipe
-    from ..plan_recipe import to_recipe_data, written_recipe_problems
+    from ..planning.to_recipe import to_recipe_data, written_recipe_problems
     from ..recipe.load import recipe_from_data
 
     data = to_recipe_data(result.plans[0], result, name=path.stem)
@@ -121,7 +121,7 @@ def _write(result, path: Path):
 
 
 def _print(result, written) -> None:
-    from ..planner import describe_result
+    from ..planning.search import describe_result
 
     print(describe_result(result))
     print(f"searched {result.considered} layouts, {result.fitting} fit")

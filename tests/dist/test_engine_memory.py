@@ -72,7 +72,7 @@ def _dp_rank(name, rank):
 
 def test_held_bytes_equal_the_estimate():
     from plugin.engines.memory import deepspeed_zero_partition
-    from plugin.recipe_estimate import expected_model_states_for_recipe
+    from plugin.planning.for_recipe import expected_model_states_for_recipe
 
     measured = run(_measure, 4, timeout_s=300)
     for i, (name, stage) in enumerate(CASES):

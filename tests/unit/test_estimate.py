@@ -11,10 +11,14 @@ import decimal
 
 import pytest
 
-from plugin.communication import communication_per_rank
-from plugin.dims import ModelSpec
-from plugin.planning.memory import Setup, activation_bytes_per_layer, activation_terms_per_layer, bubble_fraction, expected_model_states, host_model_states, memory_per_rank, micro_batches_in_flight, model_state_bytes, model_state_terms, stage_memory, state_bytes_per_param, usable_memory
-from plugin.presets import get_preset
+from plugin.planning.traffic import communication_per_rank
+from plugin.planning.dims import ModelSpec
+from plugin.planning.setup import Setup
+from plugin.planning.activations import activation_bytes_per_layer, activation_terms_per_layer
+from plugin.planning.schedule import bubble_fraction, micro_batches_in_flight
+from plugin.planning.memory import expected_model_states, host_model_states, memory_per_rank, stage_memory, usable_memory
+from plugin.planning.model_states import model_state_bytes, model_state_terms, state_bytes_per_param
+from plugin.planning.presets import get_preset
 
 GB = 1e9
 
@@ -352,7 +356,7 @@ def test_tied_embedding_gradient_allreduce_across_pipeline_stages():
     assert _bytes(communication_per_rank(tied, pipe, stage=1), "tied_embedding_grad_allreduce") == 0
     assert _bytes(communication_per_rank(untied, pipe, stage=0), "tied_embedding_grad_allreduce") == 0
     assert _bytes(communication_per_rank(tied, Setup(tp=2), stage=0), "tied_embedding_grad_allreduce") == 0
-    from plugin.steptime import step_time
+    from plugin.planning.steptime import step_time
 
     assert step_time(tied, pipe).get("embedding_allreduce") > 0
     assert step_time(untied, pipe).get("embedding_allreduce") == 0
@@ -391,15 +395,3 @@ def test_stage_params_add_up():
     assert per_tp == pytest.approx(32 * (sharded / 2 + replicated) + spec.embedding_params() / 2
                                    + spec.norm_params + spec.embedding_params() / 2)
     assert [GPT.layers_on_stage(i, 5) for i in range(5)] == [5, 5, 5, 5, 4]
-
-
-def test_the_issue_names_are_reachable_from_plugin_estimate():
-    """The per-recipe total and the communication terms live in their own modules; plugin.planning.memory names them."""
-    import plugin.communication
-    import plugin.planning.memory
-    import plugin.recipe_estimate
-
-    assert plugin.planning.memory.communication_per_rank is plugin.communication.communication_per_rank
-    assert plugin.planning.memory.estimate_recipe is plugin.recipe_estimate.estimate_recipe
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        plugin.planning.memory.nope

@@ -7,14 +7,16 @@ import json
 
 import pytest
 
-from plugin.dims import ModelSpec
+from plugin.planning.dims import ModelSpec
 from plugin.errors import RecipeError
-from plugin.planning.memory import Setup, bubble_fraction, memory_per_rank, usable_memory
-from plugin.plan_recipe import to_recipe_data, written_recipe_problems
-from plugin.planner import _Search, default_global_batch, divisors, plan
-from plugin.presets import get_preset, preset_names, resolve_model
+from plugin.planning.setup import Setup
+from plugin.planning.schedule import bubble_fraction
+from plugin.planning.memory import memory_per_rank, usable_memory
+from plugin.planning.to_recipe import to_recipe_data, written_recipe_problems
+from plugin.planning.search import _Search, default_global_batch, divisors, plan
+from plugin.planning.presets import get_preset, preset_names, resolve_model
 from plugin.recipe.load import read_recipe, recipe_from_data
-from plugin.steptime import HARDWARE, forward_flops, group_inside_node, step_time
+from plugin.planning.steptime import HARDWARE, forward_flops, group_inside_node, step_time
 from plugin.topology import Topology
 
 LLAMA7 = get_preset("llama2-7b")
@@ -355,8 +357,8 @@ def test_the_assumptions_say_what_is_not_searched():
 def test_data_parallel_reductions_are_exposed_as_deepspeed_runs_them():
     """overlap_comm is off at ZeRO 0-2 (DeepSpeed's default, the plugin writes none): ZeRO-0 all-reduces
     after the backward, ZeRO-1 at the boundary, ZeRO-2 during every micro-batch on the compute stream."""
-    from plugin.communication import communication_per_rank
-    from plugin.steptime import _comm_seconds
+    from plugin.planning.traffic import communication_per_rank
+    from plugin.planning.steptime import _comm_seconds
 
     for zero in (0, 1, 2):
         setup = Setup(dp=8, zero_stage=zero, micro_batches=4)

@@ -67,7 +67,7 @@ def written_recipe_problems(recipe, plan_, result) -> list[str]:
     The recipe is estimated exactly as ``python -m plugin estimate`` does (its own cluster's GPU memory and
     gpus_per_node); its memory and step time must equal the plan's, and it must fit.
     """
-    from .recipe_estimate import estimate_recipe
+    from .for_recipe import estimate_recipe
 
     est = estimate_recipe(recipe, hardware=result.hardware)
     out = []

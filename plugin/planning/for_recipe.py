@@ -1,6 +1,6 @@
-"""Estimates for a recipe: its layout as a :class:`plugin.planning.memory.Setup`, memory, traffic, time, verdict.
+"""Estimates for a recipe: its layout as a :class:`plugin.planning.setup.Setup`, memory, traffic, time, verdict.
 
-A recipe's ``model`` block is the reference GPT (:meth:`plugin.dims.ModelSpec.from_recipe_model`); its
+A recipe's ``model`` block is the reference GPT (:meth:`plugin.planning.dims.ModelSpec.from_recipe_model`); its
 ``pipeline_parallel.activation_checkpoint_interval`` k > 0 is full recompute with a checkpoint every k
 blocks; attention is taken as fused (FlashAttention / ``scaled_dot_product_attention``: no stored softmax);
 dropout masks are counted only when ``model.dropout`` > 0.
@@ -12,9 +12,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .dims import ModelSpec
-from .errors import Problem, RecipeError
-from .communication import CommTerm, communication_per_rank
-from .planning.memory import Breakdown, ModelStates, Setup, bubble_fraction, expected_model_states, host_model_states, memory_per_rank, usable_memory
+from ..errors import Problem, RecipeError
+from .traffic import CommTerm, communication_per_rank
+from .setup import Breakdown, Setup
+from .model_states import ModelStates
+from .schedule import bubble_fraction
+from .memory import expected_model_states, host_model_states, memory_per_rank, usable_memory
 from .steptime import HARDWARE, Hardware, StepTime, step_time
 
 

@@ -1,7 +1,7 @@
 """Model presets (``models.json`` beside this file, shipped in the wheel) and ``--model`` resolution.
 
 ``--model`` takes a preset name (``llama2-7b``; case, ``-`` and ``_`` do not matter) or a JSON
-file: a recipe ``model`` block (optionally with the architecture keys of :class:`plugin.dims.ModelSpec`;
+file: a recipe ``model`` block (optionally with the architecture keys of :class:`plugin.planning.dims.ModelSpec`;
 those left out are the reference GPT's), or a whole recipe, whose ``model`` block is used. Pure.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Union
 
 from ..dims import ModelSpec, spec_from_dict
-from ..errors import Problem, RecipeError
+from ...errors import Problem, RecipeError
 
 _FILE = Path(__file__).resolve().parent / "models.json"
 
@@ -62,7 +62,7 @@ def resolve_model(ref: Union[str, Path]) -> ModelSpec:
             raise RecipeError([Problem("--model", f"model file {str(ref)!r} does not exist",
                                        "check the path, or give a preset name: " + ", ".join(preset_names()))])
         return get_preset(str(ref))
-    from ..recipe.jsontext import parse_json
+    from ...recipe.jsontext import parse_json
 
     data, problems = parse_json(path.read_text(encoding="utf-8"), str(path))
     if any(p.is_error for p in problems):  # not JSON (or not standard JSON)

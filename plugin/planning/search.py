@@ -7,7 +7,7 @@ its fastest micro-batch (so the top K are K different layouts, not one layout's 
 A layout is valid when the tensor size divides heads, kv_heads, hidden and ffn_hidden, the pipeline has
 no more stages than layers, and the data size divides the global batch. Those whose most loaded rank
 fits in the usable memory (:func:`plugin.planning.memory.usable_memory`) are ranked by
-:func:`plugin.steptime.step_time` (DeepSpeed's overlap behaviour, see there), ties by memory.
+:func:`plugin.planning.steptime.step_time` (DeepSpeed's overlap behaviour, see there), ties by memory.
 
 Tensor groups stay inside a node: layouts whose tensor groups would cross nodes are tried only when no
 other fits, and the result says so. Memory grows with the micro-batch size, so the search stops at the
@@ -20,8 +20,8 @@ recipe has no field for it, so it is not searched. Attention is taken as fused (
 MLP as a fused kernel (6sbf), dropout masks as counted when the model's dropout is above 0.
 
 ``as_recipe=True`` ranks the model a recipe of the model's dimensions describes (the reference GPT,
-:meth:`plugin.dims.ModelSpec.as_recipe_model`) instead of the model itself: what ``--write`` writes, and
-what ``estimate`` of the written recipe counts. :mod:`plugin.plan_recipe` writes and checks it.
+:meth:`plugin.planning.dims.ModelSpec.as_recipe_model`) instead of the model itself: what ``--write`` writes, and
+what ``estimate`` of the written recipe counts. :mod:`plugin.planning.to_recipe` writes and checks it.
 """
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from .dims import ModelSpec, params_text
-from .planning.memory import Breakdown, Setup, memory_per_rank, usable_memory
-from .plan_reasons import explain
+from .setup import Breakdown, Setup
+from .memory import memory_per_rank, usable_memory
+from .reasons import explain
 from .steptime import HARDWARE, Hardware, StepTime, group_inside_node, step_time
 from .units import fmt_gb
 

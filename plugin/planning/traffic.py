@@ -3,14 +3,14 @@
 Sources: ZeRO (Rajbhandari et al. 2020) Section 7 for data parallelism and ZeRO-1/2/3; Megatron-LM (Shoeybi
 et al. 2019, Figure 4) and Korthikanti et al. 2022 (4.2.2) for tensor and sequence parallelism; pipeline
 sends of one micro-batch's activations and gradients. Ring algorithms throughout. The layout is the same
-:class:`plugin.planning.memory.Setup` the memory estimate takes.
+:class:`plugin.planning.setup.Setup` the memory estimate takes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .dims import ModelSpec
-from .planning.memory import Setup
+from .setup import Setup
 
 
 def ring_factor(n: int) -> float:

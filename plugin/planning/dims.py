@@ -6,7 +6,7 @@ the block does not state: the MLP kind (GELU with two matrices, or Llama's SwiGL
 embeddings. A recipe's ``model`` block describes the plugin's reference GPT (``plugin/models/gpt.py``,
 built by ``train.py``): GELU MLP, LayerNorm, biases, learned positions, an untied output layer;
 :meth:`ModelSpec.from_recipe_model` assumes exactly that, and :meth:`ModelSpec.as_recipe_model` turns any
-spec into the model a recipe of its dimensions describes. Presets (:mod:`plugin.presets`) say their own
+spec into the model a recipe of its dimensions describes. Presets (:mod:`plugin.planning.presets`) say their own
 architecture.
 
 Counting (Megatron-LM's ``theoretical_memory_usage.py`` counts the same way), with
@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from .errors import Problem
+from ..errors import Problem
 
 MLP_KINDS = ("gelu", "swiglu")
 NORM_KINDS = ("layernorm", "rmsnorm")
@@ -209,7 +209,7 @@ def spec_from_dict(data: Mapping[str, Any], name: str = "model",
 
     problems: list[Problem] = []
     if not isinstance(data, Mapping):
-        from .recipe.jsontext import json_type
+        from ..recipe.jsontext import json_type
 
         return None, [Problem(where, f"a model is a JSON object, not {json_type(data)}",
                               "give layers, hidden, heads, vocab and seq_len")]

@@ -1,14 +1,14 @@
 """Why each planned layout is where it is: words for the step-time terms that set it apart (pure).
 
 :func:`explain` gives the first plan its largest overhead and every other plan the term that costs it most
-against the first, with the numbers behind it (used by :func:`plugin.planner.plan`).
+against the first, with the numbers behind it (used by :func:`plugin.planning.search.plan`).
 """
 from __future__ import annotations
 
 import dataclasses
 
 from .dims import ModelSpec
-from .planning.memory import bubble_fraction
+from .schedule import bubble_fraction
 from .steptime import group_inside_node
 from .units import fmt_gb, fmt_seconds
 

@@ -8,7 +8,7 @@ The model, term by term (all per optimizer step, on the slowest pipeline stage):
   (Narayanan et al. 2021, Appendix, eq. 3). Tensor parallelism divides a rank's share by t.
 - recompute: full recompute runs each block's forward again (x 8/6 on the blocks); selective recompute
   only the attention core, 4bs^2h per block (Korthikanti et al. 2022, Section 5).
-- tensor communication: the all-reduces of :func:`plugin.communication.communication_per_rank`, on the
+- tensor communication: the all-reduces of :func:`plugin.planning.traffic.communication_per_rank`, on the
   critical path (Megatron does not overlap them), over NVLink when the tensor group is inside a node.
 - pipeline bubble: (p-1)/m (or /v interleaved) of the pipelined time (Narayanan et al. 2021, 2.2), and
   the point-to-point sends, two per schedule slot, on the critical path.
@@ -40,8 +40,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dims import ModelSpec
-from .communication import communication_per_rank
-from .planning.memory import Setup, bubble_fraction
+from .traffic import communication_per_rank
+from .setup import Setup
+from .schedule import bubble_fraction
 
 
 @dataclass(frozen=True)
