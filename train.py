@@ -21,7 +21,7 @@ import plugin
 from plugin.data import TextBatches
 from plugin.errors import PluginError, RecipeError
 from plugin.tensor_parallel.random import offset_default_stream_by_stage
-from plugin.launch import check_train_script
+from plugin.launch.launcher import check_train_script
 
 
 def parse_args(argv=None):

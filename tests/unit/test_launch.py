@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from plugin.recipe.checks import load_recipe
-from plugin.hostfile import HostfileError, read_hostfile
-from plugin.launch import LaunchError, Machine, Request, build_command, main, parse, pick_launcher, \
-    processes_per_node
+from plugin.launch.hostfile import HostfileError, read_hostfile
+from plugin.launch.launcher import LaunchError, Request, build_command, main, parse, pick_launcher, processes_per_node
+from plugin.launch.machine import Machine
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_ALL = Machine(gpus=0, cpus=2, has_deepspeed=True, has_accelerate=True, python="/venv/bin/python")

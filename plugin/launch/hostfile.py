@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .errors import PluginError
+from ..errors import PluginError
 
 
 class HostfileError(PluginError):

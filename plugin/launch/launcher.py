@@ -19,53 +19,23 @@ change directory, and the recipe reaches train.py as an absolute path.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import shlex
-import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from ..errors import Problem
+from ..recipe.checks import validate
 from .hostfile import HostfileError, read_hostfile
-from .interop.precision import PRECISIONS
+from .machine import Machine
+from ..interop.precision import PRECISIONS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: plugin/launch/launcher.py -> <repo> (train.py is there)
 DEFAULT_RECIPE = "cpu_dp4"
-
-
-@dataclass
-class Machine:
-    """What this machine offers: accelerators, cores, installed launchers."""
-
-    gpus: int
-    cpus: int
-    has_deepspeed: bool
-    has_accelerate: bool
-    python: str = sys.executable
-
-    @classmethod
-    def detect(cls) -> "Machine":
-        return cls(gpus=count_gpus(), cpus=os.cpu_count() or 1,
-                   has_deepspeed=importlib.util.find_spec("deepspeed") is not None,
-                   has_accelerate=importlib.util.find_spec("accelerate") is not None)
-
-
-def count_gpus() -> int:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
 
 
 @dataclass
@@ -99,8 +69,6 @@ class World:
 
 def check_train_script(recipe) -> list:
     """What train.py needs beyond a valid recipe (launch.sh refuses up front what train.py would)."""
-    from .errors import Problem
-
     if recipe.model is not None:
         return []
     return [Problem("$.model", "train.py builds its model from the recipe's model block", "add one",
@@ -283,8 +251,6 @@ def parse(argv: list[str]) -> Request:
 
 
 def main(argv: Optional[list[str]] = None, machine: Optional[Machine] = None) -> int:
-    from .recipe.checks import validate
-
     try:
         req = parse(sys.argv[1:] if argv is None else argv)
     except SystemExit as e:
@@ -312,7 +278,3 @@ def main(argv: Optional[list[str]] = None, machine: Optional[Machine] = None) ->
         return 0
     print(f"+ {shown}", file=sys.stderr, flush=True)
     os.execvpe(cmd[0], cmd, {**os.environ, **env})
-
-
-if __name__ == "__main__":
-    sys.exit(main())
