@@ -1,1 +1,4 @@
-"""The commands of ``python -m plugin``, one module each (``register(subparsers)``, ``run(args) -> int``)."""
+"""``python -m plugin``, pure (no torch): :mod:`.main` (the parser), one module per command (:mod:`.validate`,
+:mod:`.show`, :mod:`.export`, :mod:`.import_`, :mod:`.estimate`, :mod:`.plan`: ``register`` and ``run``), and
+:mod:`.common` (what they share).
+"""

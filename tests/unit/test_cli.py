@@ -171,7 +171,7 @@ def test_a_recipe_error_escaping_a_command_is_printed_not_raised(capsys):
 
 def test_main_prints_a_recipe_error_a_command_lets_escape(capsys, monkeypatch):
     """``python -m plugin``'s main runs every command through run_command: no traceback, exit 2."""
-    import plugin.__main__ as entry
+    import plugin.cli.main as entry
     import plugin.cli.validate
     from plugin.errors import Problem, RecipeError
 

@@ -1,0 +1,41 @@
+"""``python -m plugin`` (and the ``parallel-recipe`` script): validate, show, export, import, estimate, plan.
+
+Each command is a module in :mod:`plugin.cli` with ``register(subparsers)`` and ``run(args) -> int``.
+None of them imports torch, deepspeed or accelerate: they answer in milliseconds.
+Exit codes: 0 fine (warnings on stderr), 1 usage error, 2 invalid recipe, 3 it does not fit
+(``estimate`` and ``plan``).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .common import run_command
+
+COMMANDS = ["validate", "show", "export", "import_", "estimate", "plan"]
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``only``, just that command's module is imported (quicker start for validate)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m plugin",
+        description="Validate, inspect, convert and plan parallel-training recipes.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMANDS:
+        if only is None or name.rstrip("_") == only:
+            importlib.import_module(f"plugin.cli.{name}").register(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    first = argv[0] if argv else None
+    parser = build_parser(first if first in {c.rstrip("_") for c in COMMANDS} else None)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits 2 on usage errors; 2 means "invalid recipe" here
+        return 0 if e.code == 0 else 1
+    return run_command(args)
