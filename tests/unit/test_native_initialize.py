@@ -78,7 +78,7 @@ def test_accelerate_engine_without_transformers_explains_instead_of_crashing(mon
     pytest.importorskip("accelerate")
     pytest.importorskip("deepspeed")
     from plugin.engines import accelerate_engine
-    from plugin.runtime import launch_env
+    from plugin.distributed.env import launch_env
 
     monkeypatch.setitem(sys.modules, "transformers", None)
     assert not accelerate_engine.importable("transformers")

@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from .recipe.checks import check_recipe
-from .errors import Problem, RecipeError
+from ..recipe.checks import check_recipe
+from ..errors import Problem, RecipeError
 
 
 @dataclass(frozen=True)
