@@ -61,16 +61,16 @@ def hand_written(recipe, model, sized: bool):
     """What a user writes by hand: a config, a torch optimizer, deepspeed.initialize."""
     import deepspeed
 
-    from plugin.groups import build_groups
+    from plugin.distributed.groups import build_groups
     from plugin.models.gpt import gpt_loss
     from plugin.optim import build_optimizer
     from plugin.tensor_parallel import apply_tensor_parallel
-    from plugin.topology import Topology
+    from plugin.distributed.topology import Topology
 
     mpu, tp_group = None, None
     if recipe.parallelism.tensor > 1:
         mpu = build_groups(Topology.from_recipe(recipe))
-        tp_group = mpu.get_tensor_model_parallel_group()
+        tp_group = mpu.tensor_group
         model = apply_tensor_parallel(model, "auto", tp_group)
     config = hand_config(recipe, model, sized)  # buckets sized to this rank's (sharded) parameters
     engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model.parameters(), recipe.optimizer),

@@ -16,7 +16,8 @@ from typing import Callable, Optional, Union
 from .recipe.checks import load_recipe
 from .errors import PluginError, Problem, RecipeError
 from .recipe.spec import Recipe
-from .distributed.env import check_launch, check_model, ensure_single_process_env, launch_env
+from .distributed.env import check_launch, ensure_single_process_env, launch_env
+from .engines.model_checks import check_model
 
 
 def choose_backend(recipe: Recipe, device_type: Optional[str] = None) -> str:

@@ -33,7 +33,7 @@ def rank_rows(topology, gpus_per_node=None) -> list[dict]:
 
 
 def run(args) -> int:
-    from ..topology import Topology
+    from ..distributed.topology import Topology
 
     recipe = load_or_report(args.recipe, args.world_size)
     if recipe is None:

@@ -1,5 +1,5 @@
-"""The process's place in a launched job, read from the launcher's environment, and the checks that must
-pass before anything distributed is built.
+"""The process's place in a launched job, read from the launcher's environment, and the check that must pass
+before anything distributed is built (pure: no torch).
 
 Every launcher (``deepspeed``, ``torchrun``, ``accelerate launch``) exports RANK, LOCAL_RANK and WORLD_SIZE;
 a plain ``python train.py`` has none and is a world of one. The checks here run on every rank before any
@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from ..recipe.checks import check_recipe
 from ..errors import Problem, RecipeError
+from ..recipe.checks import check_recipe
 
 
 @dataclass(frozen=True)
@@ -71,53 +71,3 @@ def check_launch(recipe, env: LaunchEnv) -> None:
         if env.is_main:
             print("\n".join(p.format() for p in problems), file=sys.stderr, flush=True)
         raise RecipeError(problems)
-
-
-def model_dims(model) -> dict:
-    """Whatever dims the model can tell: heads, kv_heads, hidden, ffn_hidden, vocab, layers."""
-    cfg = getattr(model, "config", None)
-    if cfg is None:
-        return {}
-    names = {
-        "heads": ("heads", "num_attention_heads", "n_head"),
-        "kv_heads": ("kv_heads", "num_key_value_heads"),
-        "hidden": ("hidden", "hidden_size", "n_embd"),
-        "ffn_hidden": ("ffn_hidden", "intermediate_size", "n_inner"),
-        "vocab": ("vocab", "vocab_size"),
-        "layers": ("layers", "num_hidden_layers", "n_layer"),
-    }
-    dims = {}
-    for key, candidates in names.items():
-        for c in candidates:
-            value = getattr(cfg, c, None)
-            if isinstance(value, int):
-                dims[key] = value
-                break
-    return dims
-
-
-def check_model(model, recipe) -> list[Problem]:
-    """The model's real dims against the recipe: divisibility by tensor and pipeline, and the model block."""
-    dims = model_dims(model)
-    tp, pp = recipe.parallelism.tensor, recipe.parallelism.pipeline
-    where = f"model {type(model).__name__}"
-    problems = []
-    for key in ("heads", "kv_heads", "hidden", "ffn_hidden"):
-        if key in dims and dims[key] % tp:
-            problems.append(Problem("$.parallelism.tensor", f"{where} has {key} {dims[key]}, not divisible by "
-                                    f"tensor {tp}", f"use a tensor size that divides {dims[key]}"))
-    if "layers" in dims and dims["layers"] < pp:
-        problems.append(Problem("$.parallelism.pipeline", f"{where} has {dims['layers']} layers, fewer than "
-                                f"pipeline {pp} stages", f"use pipeline <= {dims['layers']}"))
-    if recipe.model is not None:
-        for key, value in dims.items():
-            declared = getattr(recipe.model, key, None)
-            if key == "kv_heads":
-                declared = recipe.model.kv_heads_resolved
-            if key == "ffn_hidden":
-                declared = recipe.model.ffn_hidden_resolved
-            if declared is not None and declared != value:
-                problems.append(Problem(f"$.model.{key}", f"the recipe says {key} {declared}, {where} has {value}",
-                                        f"set {key} to {value} so the checks and estimates describe this model",
-                                        "warning"))
-    return [p.with_file(recipe.source) for p in problems]

@@ -185,8 +185,8 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     from accelerate import Accelerator
 
     from ..backends import accelerate_mode
-    from ..groups import build_groups
-    from ..topology import Topology
+    from ..distributed.groups import build_groups
+    from ..distributed.topology import Topology
 
     cuda = device.type == "cuda"
     mode, why = accelerate_mode(recipe, cuda=cuda, has_deepspeed=importable("deepspeed"),
@@ -201,7 +201,7 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     _check_accelerator(acc, mode, env.world_size)
     topology = Topology(layout.pipeline, layout.data, layout.tensor)
     groups = build_groups(topology)
-    loss_fn = loss_for(groups.get_tensor_model_parallel_group())
+    loss_fn = loss_for(groups.tensor_group)
     optimizer = build_optimizer(model.parameters(), recipe.optimizer)
     prepared, optimizer = acc.prepare(model, optimizer)
     return AccelerateEngine(recipe, layout, topology, groups, acc, prepared, optimizer, loss_fn, mode)

@@ -74,14 +74,14 @@ class Engine(abc.ABC):
     # ------------------------------------------------------------------ shared helpers
     @property
     def dp_rank(self) -> int:
-        return self.groups.get_data_parallel_rank()
+        return self.groups.dp_rank
 
     @property
     def data_rank(self) -> int:
         """This rank's data-parallel coordinate: which share of the global batch it trains on (its tensor and
         pipeline peers share it). For sharding by hand: ``DistributedSampler(dataset,
         num_replicas=engine.data_size, rank=engine.data_rank)``."""
-        return self.groups.get_data_parallel_rank()
+        return self.groups.dp_rank
 
     @property
     def data_size(self) -> int:
@@ -159,7 +159,7 @@ class Engine(abc.ABC):
         value = value.detach().float().reshape(1).to(self.device)
         if self.layout.data == 1:
             return lambda: float(value.item())
-        work = dist.all_reduce(value, group=self.groups.get_data_parallel_group(), async_op=True)
+        work = dist.all_reduce(value, group=self.groups.data_group, async_op=True)
 
         def finish() -> float:
             work.wait()

@@ -240,8 +240,8 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning)
     import deepspeed
 
-    from ..groups import ParallelGroups, build_groups
-    from ..topology import Topology
+    from ..distributed.groups import ParallelGroups, build_groups
+    from ..distributed.topology import Topology
 
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
     topology = Topology(layout.pipeline, layout.data, layout.tensor)
@@ -259,16 +259,16 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
         module = PipelineModule(layers=layers_of(model), topology=ds_topology, partition_method=pp.partition,
                                 activation_checkpoint_interval=pp.activation_checkpoint_interval)
         groups = ParallelGroups.from_deepspeed_grid(module._grid)  # one grid: its slice group is the tensor group
-        loss_fn = module.loss_fn = loss_for(groups.get_tensor_model_parallel_group())
+        loss_fn = module.loss_fn = loss_for(groups.tensor_group)
         if layout.tensor > 1:
-            apply_tp(model, groups.get_tensor_model_parallel_group(), pp_rank=groups.pp_rank)
+            apply_tp(model, groups.tensor_group, pp_rank=groups.pp_rank)
         count_each_gradient_once(module, groups.tp_rank)
         module.to(device)
         mpu = None  # DeepSpeed requires mpu=None with a PipelineModule; it uses the module's grid
     else:
         groups = build_groups(topology)
-        loss_fn = loss_for(groups.get_tensor_model_parallel_group())
-        module = apply_tp(model, groups.get_tensor_model_parallel_group()) if layout.tensor > 1 else model
+        loss_fn = loss_for(groups.tensor_group)
+        module = apply_tp(model, groups.tensor_group) if layout.tensor > 1 else model
         module.to(device)
         mpu = groups if layout.tensor > 1 else None
 

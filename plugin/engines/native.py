@@ -1,6 +1,6 @@
 """The native back end: the same recipes on PyTorch's own machinery, without DeepSpeed.
 
-How each ZeRO stage maps (over the data-parallel group of :func:`plugin.groups.build_groups`):
+How each ZeRO stage maps (over the data-parallel group of :func:`plugin.distributed.groups.build_groups`):
 
 * ZeRO-0: ``DistributedDataParallel`` over the data group; every rank holds whole parameters, gradients
   and optimizer states; gradients are averaged by DDP's all-reduce at the last micro-batch.
@@ -20,7 +20,7 @@ Each transformer layer (``layers_of(model)`` entries that are registered submodu
 own FSDP2 unit, then the root. Tensor parallelism shards the model first with the plugin's layers (plain
 tensors, one slice per tensor rank), so FSDP2 shards those slices further over the data group. Pipelines
 (``pipeline > 1``) are in :mod:`.native_pipeline`. Every engine clips by the global norm
-(:mod:`plugin.clip`) and averages the loss as the DeepSpeed back end does: mean over micro-batches, then
+(:mod:`plugin.distributed.clipping`) and averages the loss as the DeepSpeed back end does: mean over micro-batches, then
 over data ranks, the same float on every rank.
 """
 from __future__ import annotations
@@ -76,7 +76,7 @@ def shard_fsdp2(model, recipe, groups, device, layers_of: Callable):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = DeviceMesh.from_group(groups.get_data_parallel_group(), device.type, mesh_dim_names=("data",))
+    mesh = DeviceMesh.from_group(groups.data_group, device.type, mesh_dim_names=("data",))
     z = recipe.zero
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") \
         if "cpu" in (z.offload_optimizer, z.offload_param) else OffloadPolicy()
@@ -153,7 +153,7 @@ def native_optimizer(module, recipe, groups, zero1: bool):
 
     cls, kwargs = optimizer_class_and_kwargs(recipe.optimizer)
     return ZeroRedundancyOptimizer(param_groups(module.parameters(), recipe.optimizer.weight_decay),
-                                   optimizer_class=cls, process_group=groups.get_data_parallel_group(),
+                                   optimizer_class=cls, process_group=groups.data_group,
                                    parameters_as_bucket_view=True, **kwargs)  # one broadcast per rank, not per tensor
 
 
@@ -176,8 +176,8 @@ def why_not_accelerate(recipe, environ: Mapping[str, str], cuda: bool) -> Option
 def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callable, apply_tp: Callable,
           loss_for: Callable) -> NativeEngine:
     """Shard ``model`` per ``recipe`` on torch's own machinery (the signature of every back end's build)."""
-    from ..groups import build_groups
-    from ..topology import Topology
+    from ..distributed.groups import build_groups
+    from ..distributed.topology import Topology
 
     note = why_not_accelerate(recipe, os.environ, device.type == "cuda") if env.is_main else None
     if note:
@@ -189,13 +189,13 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     init_process_group(device)
     topology = Topology(layout.pipeline, layout.data, layout.tensor)
     groups = build_groups(topology)
-    loss_fn = loss_for(groups.get_tensor_model_parallel_group())
+    loss_fn = loss_for(groups.tensor_group)
     if layout.pipeline > 1:
         from .native_pipeline import build_pipeline
 
         return build_pipeline(model, recipe, layout, topology, groups, device=device, layers_of=layers_of,
                               apply_tp=apply_tp, loss_fn=loss_fn, bounds=bounds)
-    module = apply_tp(model, groups.get_tensor_model_parallel_group()) if layout.tensor > 1 else model
+    module = apply_tp(model, groups.tensor_group) if layout.tensor > 1 else model
     module.to(device)
     sharded_names = tensor_sharded_names(module)
     stage = recipe.zero.stage
@@ -204,7 +204,7 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     elif layout.data > 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        wrapped = DistributedDataParallel(module, process_group=groups.get_data_parallel_group(),
+        wrapped = DistributedDataParallel(module, process_group=groups.data_group,
                                           device_ids=[device] if device.type == "cuda" else None,
                                           gradient_as_bucket_view=True)
     else:

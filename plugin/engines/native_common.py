@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..clip import clip_by_global_norm
+from ..distributed.clipping import clip_by_global_norm
 from ..tensor_parallel.random import tensor_parallel_rngs  # noqa: F401 (its former home: kept importable)
 from .base import Engine
 
@@ -87,9 +87,9 @@ class NativeEngine(Engine):
         params = list(self.container.parameters())
         norm = clip_by_global_norm(
             params, float(self.recipe.gradient_clipping), tensor_sharded=self.tensor_sharded,
-            tp_rank=self.groups.tp_rank, model_group=self.groups.get_model_parallel_group(),
-            model_size=self.groups.get_model_parallel_world_size(),
-            data_group=self.groups.get_data_parallel_group() if self.layout.data > 1 else None,
+            tp_rank=self.groups.tp_rank, model_group=self.groups.model_group,
+            model_size=self.groups.model_size,
+            data_group=self.groups.data_group if self.layout.data > 1 else None,
             data_sharded=self.data_sharded, device=self.device)
         self.last_grad_norm = float(norm)
         if self.scaler is not None:

@@ -124,11 +124,11 @@ class PipelineEngine(NativeEngine):
         else:
             loss = torch.zeros((), device=self.device)
         if self.holds_last and self.layout.data > 1:
-            dist.all_reduce(loss, group=self.groups.get_data_parallel_group())
+            dist.all_reduce(loss, group=self.groups.data_group)
             loss /= self.layout.data
         last = self.groups.pipeline_ranks[-1]
         loss = loss.reshape(1).to(self.device)
-        dist.broadcast(loss, src=last, group=self.groups.get_pipe_parallel_group())
+        dist.broadcast(loss, src=last, group=self.groups.pipeline_group)
         return float(loss.item())
 
     def train_step(self, batch) -> float:
@@ -151,7 +151,7 @@ def build_pipeline(model, recipe, layout, topology, groups, *, device, layers_of
     virtual = _virtual_stages(recipe)
     num_stages = layout.pipeline * virtual
     if layout.tensor > 1:
-        apply_tp(model, groups.get_tensor_model_parallel_group(), pp_rank=groups.pp_rank)
+        apply_tp(model, groups.tensor_group, pp_rank=groups.pp_rank)
     layers = layers_of(model)  # the same objects, now sharded
     mine = stages_of_rank(groups.pp_rank, layout.pipeline, virtual)
     modules = {s: StageModule({i: layers[i] for i in range(bounds[s], bounds[s + 1])},
@@ -165,14 +165,14 @@ def build_pipeline(model, recipe, layout, topology, groups, *, device, layers_of
         if layout.data > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            module = DistributedDataParallel(module, process_group=groups.get_data_parallel_group(),
+            module = DistributedDataParallel(module, process_group=groups.data_group,
                                              device_ids=[device] if device.type == "cuda" else None,
                                              gradient_as_bucket_view=True)
             # The stage all-reduces at its last backward by preparing DDP's reducer itself. Any other forward
             # with gradients on (the schedule's shape inference on its first step) must not arm the reducer,
             # or DDP records every gradient twice and fails at the next step ("rebuilt parameter indices").
             module.require_backward_grad_sync = False
-        stages.append(pipelining.PipelineStage(module, s, num_stages, device, group=groups.get_pipe_parallel_group()))
+        stages.append(pipelining.PipelineStage(module, s, num_stages, device, group=groups.pipeline_group))
     engine = PipelineEngine(recipe, layout, topology, groups, container, device, container=container,
                             optimizer=optimizer, scaler=build_scaler(recipe, device),
                             tensor_sharded={id(p) for n, p in container.named_parameters() if n in sharded_names},

@@ -61,7 +61,7 @@ def save(engine, directory: str, client_state: Optional[dict] = None) -> None:
     """Every rank calls it (collectives inside)."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    groups, data_group = engine.groups, engine.groups.get_data_parallel_group()
+    groups, data_group = engine.groups, engine.groups.data_group
     options = StateDictOptions(ignore_frozen_params=False)
     if _is_zero1(engine.optimizer):
         engine.optimizer.consolidate_state_dict(to=0)
@@ -105,13 +105,13 @@ def load(engine, directory: str) -> dict:
     rank_state = torch.load(mine, weights_only=False)
     if _is_zero1(engine.optimizer):
         state = {"model": get_model_state_dict(engine.container)}
-        dcp.load(state, checkpoint_id=str(_shard_dir(root, groups)), process_group=groups.get_data_parallel_group())
+        dcp.load(state, checkpoint_id=str(_shard_dir(root, groups)), process_group=groups.data_group)
         set_model_state_dict(engine.container, state["model"])
         engine.optimizer.load_state_dict(torch.load(_zero1_file(root, groups), weights_only=False))
     else:
         model_sd, optim_sd = get_state_dict(engine.container, engine.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(_shard_dir(root, groups)), process_group=groups.get_data_parallel_group())
+        dcp.load(state, checkpoint_id=str(_shard_dir(root, groups)), process_group=groups.data_group)
         set_state_dict(engine.container, engine.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
     engine.optimizer.zero_grad(set_to_none=True)  # DCP's optimizer-state init leaves zero gradients behind

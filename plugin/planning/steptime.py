@@ -89,7 +89,7 @@ def _blocks_inside(block: int, count: int, gpus_per_node: int) -> bool:
 def group_inside_node(axis: str, setup: Setup, gpus_per_node: int) -> bool:
     """Whether every ``axis`` ("tensor", "data", "pipeline") group lies inside one node.
 
-    Rank = (pp_rank x dp + dp_rank) x tp + tp_rank (:mod:`plugin.topology`): a tensor group is a block of
+    Rank = (pp_rank x dp + dp_rank) x tp + tp_rank (:mod:`plugin.distributed.topology`): a tensor group is a block of
     tp consecutive ranks, the data groups of one pipeline stage interleave in a block of tp x dp, and
     pipeline neighbours are tp x dp apart, so they share a node only when the whole world does.
     """

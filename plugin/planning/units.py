@@ -25,6 +25,13 @@ def parse_size(text: str) -> float:
     """``"80GB"`` -> 80e9, ``"80GiB"`` -> 80 * 2**30, ``"80"`` -> 80e9 (a bare number is GB).
 
     Raises ValueError with the accepted forms when the text is not a size.
+
+    >>> parse_size("80GB"), parse_size("80GiB") == 80 * 2**30, parse_size("40")
+    (80000000000.0, True, 40000000000.0)
+    >>> parse_size("80 parsecs")
+    Traceback (most recent call last):
+    ...
+    ValueError: '80 parsecs' is not a memory size; write it like 80GB, 80GiB, 40 (GB) or 512MiB
     """
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else None
@@ -42,7 +49,11 @@ def gb(nbytes: float) -> float:
 
 
 def fmt_gb(nbytes: float, digits: int = 1) -> str:
-    """``61.3 GB``; small values keep more digits so they do not print as 0.0."""
+    """``61.3 GB``; small values keep more digits so they do not print as 0.0.
+
+    >>> fmt_gb(61.3e9), fmt_gb(1e5)
+    ('61.3 GB', '0.0001 GB')
+    """
     value = nbytes / GB
     if 0 < abs(value) < 0.5 * 10 ** -digits:
         return f"{value:.{digits + 3}f} GB"
@@ -50,7 +61,11 @@ def fmt_gb(nbytes: float, digits: int = 1) -> str:
 
 
 def fmt_bytes(nbytes: float) -> str:
-    """GB (10^9) from 0.1 GB up, MB (10^6) below, kB below that: always labelled."""
+    """GB (10^9) from 0.1 GB up, MB (10^6) below, kB below that: always labelled.
+
+    >>> fmt_bytes(2.5e8), fmt_bytes(3e5), fmt_bytes(512)
+    ('0.25 GB', '0.30 MB', '0.51 kB')
+    """
     value = abs(nbytes)
     if value >= 0.1 * GB:
         return f"{nbytes / GB:.2f} GB"
@@ -60,7 +75,11 @@ def fmt_bytes(nbytes: float) -> str:
 
 
 def fmt_seconds(seconds: float) -> str:
-    """``1.23 s``, ``45.6 ms`` or ``12.0 us``."""
+    """``1.23 s``, ``45.6 ms`` or ``12.0 us``.
+
+    >>> fmt_seconds(1.234), fmt_seconds(0.0456), fmt_seconds(1.2e-5)
+    ('1.23 s', '45.6 ms', '12.0 us')
+    """
     if seconds >= 1:
         return f"{seconds:.2f} s"
     if seconds >= 1e-3:

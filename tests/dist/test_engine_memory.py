@@ -67,7 +67,7 @@ def _measure(rank, world_size):
 
 
 def _dp_rank(name, rank):
-    return rank // 2 if name == "cpu_tp2_dp2" else rank  # tensor fastest, then data (plugin.topology)
+    return rank // 2 if name == "cpu_tp2_dp2" else rank  # tensor fastest, then data (plugin.distributed.topology)
 
 
 def test_held_bytes_equal_the_estimate():

@@ -70,7 +70,7 @@ def pipeline(sequence_parallel, steps=2):
     import deepspeed
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-    from plugin.groups import ParallelGroups
+    from plugin.distributed.groups import ParallelGroups
     from plugin.models import GPT, GPTConfig, gpt_loss
     from plugin.tensor_parallel import apply_tensor_parallel
 
@@ -104,8 +104,8 @@ def pipeline(sequence_parallel, steps=2):
 
 def deepspeed_worker(rank, world_size):
     import deepspeed
-    from plugin.groups import build_groups
-    from plugin.topology import Topology
+    from plugin.distributed.groups import build_groups
+    from plugin.distributed.topology import Topology
 
     deepspeed.init_distributed(dist_backend="gloo")
     groups = build_groups(Topology(dp_size=2, tp_size=2))

@@ -116,9 +116,9 @@ def check_dropout_regions(group, config):
 
 
 def gpt_worker(rank, world_size):
-    from plugin.groups import build_groups
+    from plugin.distributed.groups import build_groups
     from plugin.models import GPTConfig
-    from plugin.topology import Topology
+    from plugin.distributed.topology import Topology
 
     base = dict(vocab=37, hidden=32, layers=2, heads=8, kv_heads=4, seq_len=8, ffn_hidden=64)
     whole = build_groups(Topology(tp_size=4))

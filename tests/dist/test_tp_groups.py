@@ -42,8 +42,8 @@ def check_groups(groups, topology, rank):
 
 
 def groups_worker(rank, world_size, with_deepspeed):
-    from plugin.groups import ParallelGroups, build_groups
-    from plugin.topology import Topology
+    from plugin.distributed.groups import ParallelGroups, build_groups
+    from plugin.distributed.topology import Topology
 
     topology = Topology(pp_size=2, dp_size=2, tp_size=2)
     check_groups(build_groups(topology), topology, rank)

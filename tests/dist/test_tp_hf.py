@@ -78,8 +78,8 @@ def train_and_compare(group, kind, steps=3, **overrides):
 def hf_worker(rank, world_size):
     import logging
 
-    from plugin.groups import build_groups
-    from plugin.topology import Topology
+    from plugin.distributed.groups import build_groups
+    from plugin.distributed.topology import Topology
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     pairs = build_groups(Topology(dp_size=2, tp_size=2))

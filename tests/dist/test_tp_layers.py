@@ -301,8 +301,8 @@ def check_sequential_plan(group):
 
 
 def layers_worker(rank, world_size):
-    from plugin.groups import build_groups
-    from plugin.topology import Topology
+    from plugin.distributed.groups import build_groups
+    from plugin.distributed.topology import Topology
 
     pairs = build_groups(Topology(dp_size=2, tp_size=2))
     whole = build_groups(Topology(tp_size=4))

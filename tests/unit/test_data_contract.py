@@ -8,7 +8,7 @@ from plugin.data import shard_rows
 from plugin.data_contract import digest, fingerprint, mismatch_message
 from plugin.dataloader import StepLoader
 from plugin.errors import PluginError
-from plugin.topology import Topology
+from plugin.distributed.topology import Topology
 
 
 def _tokens(rows=8, seq=16, seed=0):

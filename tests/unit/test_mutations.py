@@ -13,7 +13,7 @@ from plugin.interop.accelerate_config import to_accelerate_config
 from plugin.interop.deepspeed_config import to_ds_config
 from plugin.errors import RecipeError
 from plugin.recipe.load import recipe_from_data, recipe_from_text, shipped_recipes
-from plugin.topology import Topology
+from plugin.distributed.topology import Topology
 
 BASES = [json.loads(p.read_text()) for p in shipped_recipes()]
 

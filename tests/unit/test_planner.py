@@ -17,7 +17,7 @@ from plugin.planning.search import _Search, default_global_batch, divisors, plan
 from plugin.planning.presets import get_preset, preset_names, resolve_model
 from plugin.recipe.load import read_recipe, recipe_from_data
 from plugin.planning.steptime import HARDWARE, forward_flops, group_inside_node, step_time
-from plugin.topology import Topology
+from plugin.distributed.topology import Topology
 
 LLAMA7 = get_preset("llama2-7b")
 

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from plugin.topology import Coord, Topology
+from plugin.distributed.topology import Coord, Topology
 
 SHAPES = [(1, 1, 1), (1, 8, 1), (2, 2, 2), (4, 2, 1), (1, 2, 4), (3, 5, 2), (8, 64, 8), (16, 32, 8), (4, 128, 8),
           (2, 256, 8)]

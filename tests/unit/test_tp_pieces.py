@@ -136,8 +136,8 @@ def one_process_world():
 
 
 def test_build_groups_needs_an_initialized_world():
-    from plugin.groups import GroupError, build_groups
-    from plugin.topology import Topology
+    from plugin.distributed.groups import GroupError, build_groups
+    from plugin.distributed.topology import Topology
 
     assert not dist.is_initialized()
     with pytest.raises(GroupError, match="init_process_group"):
@@ -145,8 +145,8 @@ def test_build_groups_needs_an_initialized_world():
 
 
 def test_build_groups_in_a_one_process_world(one_process_world):
-    from plugin.groups import GroupError, build_groups
-    from plugin.topology import Topology
+    from plugin.distributed.groups import GroupError, build_groups
+    from plugin.distributed.topology import Topology
 
     groups = build_groups(Topology())
     assert groups.tensor_group is groups.data_group is groups.model_group is dist.group.WORLD

@@ -1,6 +1,6 @@
 """Process groups from the pure topology: the only module that calls ``torch.distributed.new_group``.
 
-:func:`build_groups` turns :class:`plugin.topology.Topology`'s rank lists into process groups and returns
+:func:`build_groups` turns :class:`plugin.distributed.topology.Topology`'s rank lists into process groups and returns
 this rank's :class:`ParallelGroups`. ``new_group`` must be called by every rank for every group in the
 same order; it is, in the topology's order: tensor, data, pipeline, then model groups. A rank list seen
 before reuses its group (with no pipeline the model group is the tensor group), and a group of the
@@ -10,7 +10,10 @@ With DeepSpeed's ``PipelineModule`` the groups already exist in its grid (``deep
 requires ``mpu=None``): :meth:`ParallelGroups.from_deepspeed_grid` wraps them without creating any, so
 the tensor-parallel layers and the pipeline engine use one and the same tensor group.
 
-A :class:`ParallelGroups` is also a DeepSpeed ``mpu``: ``deepspeed.initialize(model, mpu=groups, ...)``.
+The plugin's own code reads the fields (``tensor_group``, ``data_group``, ``pipeline_group``, ``model_group``,
+their ``*_ranks``) and the coordinates (``tp_rank``, ``dp_size``, ...). The ``get_*`` methods are an adapter,
+kept only because DeepSpeed calls them: a :class:`ParallelGroups` is a DeepSpeed ``mpu``,
+``deepspeed.initialize(model, mpu=groups, ...)``.
 DeepSpeed's "model parallel" group is the model group (tensor x pipeline), which is the tensor group
 when there is no pipeline, the case in which DeepSpeed takes an external mpu; it sums gradient norms
 over that group, counting a replicated parameter on tensor rank 0 only and a parameter with
@@ -23,7 +26,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from .errors import PluginError
+from ..errors import PluginError
 from .topology import Topology
 
 
@@ -71,6 +74,11 @@ class ParallelGroups:
     def pp_rank(self) -> int:
         return self.pipeline_ranks.index(self.rank)
 
+    @property
+    def model_size(self) -> int:
+        """Ranks of one model replica: tensor x pipeline."""
+        return len(self.model_ranks)
+
     @classmethod
     def from_deepspeed_grid(cls, grid) -> "ParallelGroups":
         """Wrap the groups of a DeepSpeed ``PipelineParallelGrid`` (``pipeline_module._grid``); creates none.
@@ -101,7 +109,11 @@ class ParallelGroups:
                              f"num_pp={topology.pp_size}, num_mp={topology.tp_size}, num_dp={topology.dp_size})")
         return groups
 
-    # -- DeepSpeed / Megatron mpu protocol
+    # ------------------------------------------------------------------------------------------------------------
+    # Adapter: the DeepSpeed / Megatron ``mpu`` protocol, in DeepSpeed's words ("model parallel" = tensor x pipeline,
+    # "slice" and "tensor model parallel" = tensor, "pipe" = pipeline). Only DeepSpeed calls these (it is handed
+    # the groups as ``deepspeed.initialize(mpu=...)``); the plugin reads the fields and coordinates above.
+    # ------------------------------------------------------------------------------------------------------------
     def get_global_rank(self) -> int:
         return self.rank
 
