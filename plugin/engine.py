@@ -125,7 +125,7 @@ def initialize(model, recipe: Union[Recipe, str, Path], *, loss_fn: Optional[Cal
         problems = [p.with_file(recipe.source) for p in native_back_end_problems(recipe)]
         if problems:
             _fail(problems, env)
-    from .tp_plan import tensor_parallel_hooks
+    from .tensor_parallel.hooks import tensor_parallel_hooks
 
     apply_tp, loss_for = tensor_parallel_hooks(model, recipe, loss_fn)
     if backend == "deepspeed":

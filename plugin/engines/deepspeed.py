@@ -9,7 +9,7 @@ Megatron-style layers for tensor parallelism, all from one exported ds_config.
   model is sharded after the module has cut its stage, inside the same layer objects.
 
 Before any process group exists, a weight tied across two stages is refused by name
-(:mod:`plugin.engines.pipeline_checks`): the PipelineModule would train two copies of it apart.
+(:mod:`plugin.pipeline_parallel.checks`): the PipelineModule would train two copies of it apart.
 
 Optimizer: the recipe's torch.optim optimizer (fused on CUDA), except DeepSpeed's CPUAdam for an offloaded Adam
 on CUDA where that op builds (:mod:`plugin.engines.deepspeed_optimizer`). The exported ds_config is what the
@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import torch
 
 from ..interop.deepspeed_config import to_ds_config
+from ..pipeline_parallel.checks import check_stage_cut
 from ..optim import build_optimizer, param_groups
 from ..tensor_parallel.random import tensor_parallel_rngs
 from ..tensor_parallel.recompute import checkpoint_func
@@ -230,11 +231,8 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     """Wrap ``model`` (an ``nn.Module``) per ``recipe``: ``apply_tp(model, tp_group)`` shards it,
     ``layers_of(model)`` lists its layers for a pipeline, ``loss_for(tp_group)`` gives the loss function."""
     if layout.pipeline > 1:  # before any process group: every rank refuses alike, nothing hangs
-        from .pipeline_checks import check_shared_across_stages, cut_layers
-
-        whole = layers_of(model)
-        check_shared_across_stages(whole, cut_layers(whole, recipe.pipeline_parallel.partition, layout.pipeline),
-                                   "DeepSpeed's PipelineModule")
+        check_stage_cut(layers_of(model), recipe.pipeline_parallel.partition, layout.pipeline,
+                        "DeepSpeed's PipelineModule")
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
     # DeepSpeed 0.19 still calls torch's deprecated all_gather_into_tensor: one warning per rank, nothing to act on
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning)

@@ -2,7 +2,7 @@
 over the data group.
 
 * The layer list (``layers_of(model)``) is cut into ``pipeline x virtual_stages`` stages by the recipe's
-  partition method (:mod:`plugin.pipeline`, DeepSpeed's cuts, counted before tensor sharding); pipeline rank
+  partition method (:mod:`plugin.pipeline_parallel.stages`, DeepSpeed's cuts, counted before tensor sharding); pipeline rank
   ``r`` holds stages ``r, r + pipeline, ...``. Each stage is a :class:`StageModule` (its layers, named by
   their index in the layer list) inside a ``PipelineStage`` on the pipeline group.
 * Schedules: ``"gpipe"`` -> ``ScheduleGPipe``, ``"1f1b"`` -> ``Schedule1F1B``, ``"interleaved_1f1b"`` ->
@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..pipeline import stages_of_rank
+from ..pipeline_parallel.stages import stages_of_rank
 from ..tensor_parallel.random import tensor_parallel_rngs
 from ..tensor_parallel.recompute import checkpoint
-from .pipeline_checks import check_shared_across_stages, cut_layers
+from ..pipeline_parallel.checks import check_stage_cut
 from .native import native_optimizer, tensor_sharded_names
 from .native_common import NativeEngine, build_scaler
 
@@ -87,10 +87,8 @@ def check_stage_cuts(model, recipe, layout, layers_of: Callable) -> list[int]:
     """The stage boundaries of ``model``'s layers (``pipeline x virtual_stages`` stages, counted before tensor
     sharding, as DeepSpeed counts them); a weight two stages would hold is refused by name. Pure of process
     groups, so the back end calls it before it creates any: every rank refuses alike, nothing hangs."""
-    whole = layers_of(model)
-    bounds = cut_layers(whole, recipe.pipeline_parallel.partition, layout.pipeline * _virtual_stages(recipe))
-    check_shared_across_stages(whole, bounds, "torch.distributed.pipelining")
-    return bounds
+    return check_stage_cut(layers_of(model), recipe.pipeline_parallel.partition,
+                           layout.pipeline * _virtual_stages(recipe), "torch.distributed.pipelining")
 
 
 class PipelineEngine(NativeEngine):

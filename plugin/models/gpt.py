@@ -25,9 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..tensor_parallel.comm import allreduce_grads_in_backward, gather_from_sequence_region, scatter_to_sequence_region
-from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..tensor_parallel.cross_entropy import token_cross_entropy
 from ..tensor_parallel.embedding import VocabParallelEmbedding
-from ..tensor_parallel.errors import TensorParallelError
 from ..tensor_parallel.layers import ColumnParallelLinear
 from ..tensor_parallel.random import sharded_region
 from .gpt_config import GPTConfig
@@ -233,7 +232,11 @@ class GPT(nn.Module):
             x = layer(x)
         return x
 
-    # -- the tensor-parallel protocol used by plugin.tensor_parallel.apply_tensor_parallel
+    # -- the tensor-parallel protocol used by plugin.tensor_parallel.apply_tensor_parallel (and .hooks)
+    # Under tensor parallelism the head is split by vocabulary (check_tensor_parallel refuses any plan that does
+    # not split it), so forward returns this rank's slice of the logits: the default loss must be vocab-parallel.
+    vocab_parallel_logits = True
+
     def tensor_parallel_plan(self) -> dict[str, str]:
         return {"embed": "vocab", "blocks.*.attn.qkv": "column", "blocks.*.attn.proj": "row",
                 "blocks.*.mlp.fc": "column", "blocks.*.mlp.proj": "row", "head": "vocab"}
@@ -257,8 +260,4 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor, tp_group=None) -> torc
     ``tp_group``: the tensor group when the logits are split by vocabulary (every sharded reference GPT:
     its plan must split the head); the loss then never gathers them. ``None`` for whole logits.
     """
-    if logits.shape[:-1] != targets.shape:
-        raise TensorParallelError(f"gpt_loss: logits {tuple(logits.shape)} do not match targets "
-                                  f"{tuple(targets.shape)}; expected logits [batch, seq, vocab] for targets "
-                                  f"[batch, seq]")
-    return vocab_parallel_cross_entropy(logits, targets, tp_group)
+    return token_cross_entropy(logits, targets, tp_group, name="gpt_loss")

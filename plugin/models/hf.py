@@ -2,7 +2,7 @@
 
 The engines call ``model(input_ids)`` and give the loss the output's ``.logits``; the tensor-parallel
 ``"auto"`` plan shards these models with whole (gathered) logits, so their loss is the ordinary cross
-entropy (see :mod:`plugin.tp_plan`). transformers is an optional dependency (the ``test`` extra).
+entropy (see :mod:`plugin.tensor_parallel.hooks`). transformers is an optional dependency (the ``test`` extra).
 """
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .comm import group_rank, group_size
+from .errors import TensorParallelError
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -92,3 +93,17 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp
     if reduction == "sum":
         return losses.sum()
     return losses.sum() / (targets != ignore_index).sum()
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp_group=None, *, name: str = "loss") -> torch.Tensor:
+    """Mean cross-entropy over every token of ``targets [batch, seq]`` from ``logits [batch, seq, vocab]``.
+
+    ``tp_group``: the tensor group when the logits are split by vocabulary (each rank ``[batch, seq, vocab/p]``):
+    :func:`vocab_parallel_cross_entropy` then never gathers them. ``None`` for whole logits. ``name`` is the
+    caller's, for the error on mismatched shapes (``gpt_loss``).
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise TensorParallelError(f"{name}: logits {tuple(logits.shape)} do not match targets "
+                                  f"{tuple(targets.shape)}; expected logits [batch, seq, vocab] for targets "
+                                  f"[batch, seq]")
+    return vocab_parallel_cross_entropy(logits, targets, tp_group)

@@ -5,7 +5,7 @@ import importlib
 
 import pytest
 
-MODULES = ["plugin.distributed.topology", "plugin.planning.units"]
+MODULES = ["plugin.distributed.topology", "plugin.pipeline_parallel.stages", "plugin.planning.units"]
 
 
 @pytest.mark.parametrize("name", MODULES)

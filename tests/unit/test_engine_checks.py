@@ -88,7 +88,7 @@ def test_initialize_wraps_a_list_before_the_back_end_sees_it(launched_as):
 
 
 def test_shared_parameters_across_stages_are_named():
-    from plugin.engines.pipeline_checks import cut_layers, shared_across_stages
+    from plugin.pipeline_parallel.checks import cut_layers, shared_across_stages
 
     embed, mid, head = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 8, bias=False)
     head.weight = embed.weight

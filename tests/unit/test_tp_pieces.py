@@ -202,7 +202,7 @@ def test_apply_and_the_recipe_hook_pass_the_pipeline_rank_to_the_stream():
 
     from plugin.recipe.spec import TensorParallel
     from plugin.tensor_parallel import apply_tensor_parallel
-    from plugin.tp_plan import tensor_parallel_hooks
+    from plugin.tensor_parallel.hooks import tensor_parallel_hooks
 
     config = GPTConfig(vocab=50, hidden=16, layers=2, heads=4, seq_len=8)
     model = apply_tensor_parallel(GPT(config), "auto", None, seed=5, pp_rank=2)

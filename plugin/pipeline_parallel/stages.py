@@ -23,7 +23,7 @@ import math
 import re
 from typing import Sequence
 
-from .errors import PluginError
+from ..errors import PluginError
 
 
 class PartitionError(PluginError):
@@ -31,7 +31,12 @@ class PartitionError(PluginError):
 
 
 def partition_uniform(num_items: int, num_parts: int) -> list[int]:
-    """Boundaries of ``num_items`` cut into ``num_parts`` runs of (nearly) equal length."""
+    """Boundaries of ``num_items`` cut into ``num_parts`` runs of (nearly) equal length; the first
+    ``num_items % num_parts`` runs get one more.
+
+    >>> partition_uniform(10, 4)
+    [0, 3, 6, 8, 10]
+    """
     if num_items <= num_parts:
         return [min(p, num_items) for p in range(num_parts + 1)]
     chunk, residual = divmod(num_items, num_parts)
@@ -96,7 +101,13 @@ def type_weights(method: str, layer_types: Sequence[str]) -> list[int]:
 
 
 def stage_bounds(method: str, layer_types: Sequence[str], param_counts: Sequence[int], num_stages: int) -> list[int]:
-    """Boundaries of ``num_stages`` stages over the layers described by their class names and parameter counts."""
+    """Boundaries of ``num_stages`` stages over the layers described by their class names and parameter counts.
+
+    ``"type:Block"`` balances the blocks and lets the embedding and the head ride along:
+
+    >>> stage_bounds("type:Block", ["Embed", "Block", "Block", "Block", "Block", "Head"], [10, 1, 1, 1, 1, 10], 2)
+    [0, 3, 6]
+    """
     if len(layer_types) != len(param_counts):
         raise ValueError("layer_types and param_counts must describe the same layers")
     n = len(layer_types)
@@ -116,7 +127,11 @@ def stage_bounds(method: str, layer_types: Sequence[str], param_counts: Sequence
 
 
 def stages_of_rank(pp_rank: int, pp_size: int, virtual: int = 1) -> list[int]:
-    """The stage indices pipeline rank ``pp_rank`` holds: ``pp_rank + i * pp_size`` for each virtual chunk."""
+    """The stage indices pipeline rank ``pp_rank`` holds: ``pp_rank + i * pp_size`` for each virtual chunk.
+
+    >>> stages_of_rank(1, pp_size=4, virtual=2)
+    [1, 5]
+    """
     if not 0 <= pp_rank < pp_size or virtual < 1:
         raise ValueError(f"pp_rank {pp_rank} of {pp_size}, virtual {virtual}")
     return [pp_rank + i * pp_size for i in range(virtual)]

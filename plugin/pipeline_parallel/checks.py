@@ -1,6 +1,6 @@
 """What must hold of a layer list before it is cut into pipeline stages, for every pipelined back end.
 
-The cut itself is pure arithmetic (:func:`plugin.pipeline.stage_bounds`); this is its torch side: counting
+The cut itself is pure arithmetic (:func:`plugin.pipeline_parallel.stages.stage_bounds`); this is its torch side: counting
 the layers' parameters for the cut, and refusing a parameter that two stages would hold. Each stage keeps
 its own layers on its own ranks, so a weight tied across stages (the reference GPT's ``tie_embeddings``:
 embedding and head) would become two copies trained apart, silently. Neither DeepSpeed's PipelineModule
@@ -13,7 +13,7 @@ from typing import Sequence
 from torch import nn
 
 from ..errors import PluginError
-from ..pipeline import stage_bounds
+from .stages import stage_bounds
 
 
 def cut_layers(layers: Sequence[nn.Module], method: str, num_stages: int) -> list[int]:
@@ -44,3 +44,12 @@ def check_shared_across_stages(layers: Sequence[nn.Module], bounds: Sequence[int
         raise PluginError(f"parameters shared by layers on different pipeline stages: {', '.join(clashes[:4])}; "
                           f"{trainer} would train two copies apart -> untie them (for the reference GPT: "
                           "tie_embeddings false), or use a partition that keeps them together")
+
+
+def check_stage_cut(layers: Sequence[nn.Module], method: str, num_stages: int, trainer: str) -> list[int]:
+    """The stage boundaries of ``layers`` (:func:`cut_layers`), refused by :func:`check_shared_across_stages` when two
+    stages would hold one parameter. Pure of process groups: both pipelined back ends call it before they create
+    any, so every rank refuses alike and none is left waiting in a collective."""
+    bounds = cut_layers(layers, method, num_stages)
+    check_shared_across_stages(layers, bounds, trainer)
+    return bounds

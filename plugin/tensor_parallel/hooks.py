@@ -3,13 +3,16 @@
 ``apply_tp(model, tp_group, pp_rank=0) -> model`` shards with the recipe's plan (``"auto"`` picks by model
 class); ``pp_rank``, the rank's pipeline stage, offsets the dropout stream of sharded regions per stage;
 ``loss_for(tp_group) -> loss_fn(output, labels)`` is the user's loss, or next-token cross entropy over the
-output's logits: vocab-parallel for the reference GPT, whose head is split by vocabulary. Both are called by a back end once its groups exist.
+output's logits: vocab-parallel for a model whose ``vocab_parallel_logits`` is true (the reference GPT, whose head
+is split by vocabulary). Both are called by a back end once its groups exist.
 """
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-from .recipe.spec import thaw
+from ..recipe.spec import thaw
+from .cross_entropy import token_cross_entropy
+from .plan import apply_tensor_parallel
 
 
 def tensor_parallel_hooks(model, recipe, loss_fn: Optional[Callable]) -> tuple[Callable, Callable]:
@@ -17,23 +20,20 @@ def tensor_parallel_hooks(model, recipe, loss_fn: Optional[Callable]) -> tuple[C
     plan = tp_cfg.plan if isinstance(tp_cfg.plan, str) else thaw(tp_cfg.plan)
 
     def apply_tp(target, tp_group, pp_rank: int = 0):
-        from .tensor_parallel import apply_tensor_parallel
-
         return apply_tensor_parallel(target, plan, tp_group, sequence_parallel=tp_cfg.sequence_parallel,
                                      pp_rank=pp_rank)
 
     def loss_for(tp_group) -> Callable:
         if loss_fn is not None:
             return loss_fn
-        from .models.gpt import GPT, gpt_loss
-
-        # The reference GPT's head is split by vocabulary under tensor parallelism; the plans of other models
-        # (transformers GPT-2, Llama) gather their logits whole, as their own forward and loss expect.
-        split_head = isinstance(model, GPT)
+        # A model says whether its logits come split by vocabulary (the reference GPT's
+        # vocab_parallel_logits); the plans of other models (transformers GPT-2, Llama) gather their logits
+        # whole, as their own forward and loss expect.
+        split_logits = getattr(model, "vocab_parallel_logits", False)
 
         def loss(output, labels):
             logits = getattr(output, "logits", output)  # transformers models return an output object
-            return gpt_loss(logits, labels, tp_group=tp_group if split_head else None)
+            return token_cross_entropy(logits, labels, tp_group if split_logits else None)
 
         return loss
 
