@@ -38,7 +38,7 @@ def worker(steps: int, calls: int) -> None:
     import torch.distributed as dist
 
     import plugin
-    from plugin.data import TextBatches
+    from plugin.data.text import TextBatches
     from plugin.data_contract import check_same_rows, fingerprint
     from plugin.models.gpt import GPT, GPTConfig
 

@@ -82,7 +82,8 @@ def worker(steps: int) -> None:
     import torch
 
     import plugin
-    from plugin.data import TextBatches, micro_batches, shard_rows
+    from plugin.data.text import TextBatches
+    from plugin.engines.batches import micro_batches, shard_rows
     from plugin.engines.memory import held_bytes
     from plugin.models.gpt import GPT, GPTConfig
     from plugin.planning.for_recipe import expected_model_states_for_recipe

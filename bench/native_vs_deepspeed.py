@@ -89,7 +89,7 @@ def worker(steps: int) -> None:
     import torch.distributed as dist
 
     import plugin
-    from plugin.data import TextBatches
+    from plugin.data.text import TextBatches
     from plugin.models.gpt import GPT, GPTConfig
 
     rows = []
@@ -136,7 +136,7 @@ def rss_worker(case: int, backend: str) -> None:
     import torch.distributed as dist
 
     import plugin
-    from plugin.data import TextBatches
+    from plugin.data.text import TextBatches
     from plugin.models.gpt import GPT, GPTConfig
 
     if importlib.util.find_spec("deepspeed"):

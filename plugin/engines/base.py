@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..data import micro_batches, shard_rows
+from .batches import micro_batches, shard_rows
 from ..data_contract import check_same_rows
 
 
@@ -90,14 +90,14 @@ class Engine(abc.ABC):
 
     def dataloader(self, dataset, *, shuffle: bool = True, seed: int = 0, collate_fn: Optional[Callable] = None,
                    num_workers: int = 0):
-        """This data rank's rows of ``dataset`` for each step: a :class:`plugin.dataloader.StepLoader`.
+        """This data rank's rows of ``dataset`` for each step: a :class:`plugin.data.loader.StepLoader`.
 
         Each step's rows over all data ranks are one global batch, the same whatever the layout (a run on any
         layout gives the losses of one process on the same dataset); tensor and pipeline peers get the same
         rows. Shuffled per epoch from ``seed`` and the epoch; an incomplete last global batch is dropped; its
-        ``state_dict()`` resumes mid-epoch. See :class:`~plugin.dataloader.StepLoader`.
+        ``state_dict()`` resumes mid-epoch. See :class:`~plugin.data.loader.StepLoader`.
         """
-        from ..dataloader import StepLoader
+        from ..data.loader import StepLoader
 
         return StepLoader(dataset, global_batch=self.layout.global_batch, data_rank=self.data_rank,
                           data_size=self.data_size, shuffle=shuffle, seed=seed, collate_fn=collate_fn,

@@ -96,7 +96,7 @@ def _where_offloaded_state_lives(rank, world_size):
     """One process on a GPU: ZeRO-3 with and without CPU offload; devices seen inside the second optimizer step."""
     import plugin
     from plugin.recipe.checks import load_recipe
-    from plugin.data import TextBatches
+    from plugin.data.text import TextBatches
     from plugin.models.gpt import GPT, GPTConfig
     from plugin.recipe.spec import Recipe
 
@@ -146,7 +146,7 @@ def _deepspeed_optimizers_on_gpu(rank, world_size):
     """One process on a GPU, DeepSpeed engine at ZeRO-1 with and without optimizer offload: which optimizer steps."""
     import plugin
     from plugin.recipe.checks import load_recipe
-    from plugin.data import TextBatches
+    from plugin.data.text import TextBatches
     from plugin.engines.deepspeed_optimizer import cpu_adam_error
     from plugin.models.gpt import GPT, GPTConfig
     from plugin.recipe.spec import Recipe

@@ -38,7 +38,7 @@ def _recipe(name):
 
 
 def _dataset(recipe):
-    from plugin.data import TextBatches
+    from plugin.data.text import TextBatches
 
     x, y = TextBatches(recipe.model.vocab, recipe.model.seq_len, seed=3).global_batch(0, ROWS)
     return list(zip(x, y))  # a map-style dataset of (inputs, labels) rows
@@ -54,7 +54,7 @@ def _engine(recipe, backend):
 
 def _reference(recipe, dataset) -> list[float]:
     """One process on the whole global batches of the same loader (data rank 0 of 1)."""
-    from plugin.dataloader import StepLoader
+    from plugin.data.loader import StepLoader
     from plugin.models.gpt import GPT, GPTConfig, gpt_loss
     from plugin.optim import build_optimizer
 
@@ -126,7 +126,7 @@ def _native(rank, world_size, directory):
 def _deepspeed(rank, world_size):
     import torch.distributed as dist
 
-    from plugin.data import TextBatches
+    from plugin.data.text import TextBatches
     from plugin.engines.shm import release_shm_buffer
 
     out = {}

@@ -53,7 +53,7 @@ def _engine(recipe):
 
 
 def _steps(engine, start, stop):
-    from plugin.data import TextBatches
+    from plugin.data.text import TextBatches
 
     data = TextBatches(engine.recipe.model.vocab, engine.recipe.model.seq_len)
     return [engine.train_step(data.global_batch(step, engine.layout.global_batch)) for step in range(start, stop)]

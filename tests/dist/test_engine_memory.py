@@ -44,7 +44,7 @@ def _measure(rank, world_size):
     import torch
 
     import plugin
-    from plugin.data import TextBatches
+    from plugin.data.text import TextBatches
     from plugin.engines.memory import held_bytes
     from plugin.models.gpt import GPT, GPTConfig
     from plugin.optim import param_groups

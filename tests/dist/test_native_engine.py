@@ -59,7 +59,7 @@ def _recipe(base, blocks, precision="fp32"):
 
 def _reference(recipe):
     """(losses, first-step gradient norm) of one process on the whole global batch."""
-    from plugin.data import TextBatches
+    from plugin.data.text import TextBatches
     from plugin.models.gpt import GPT, GPTConfig, gpt_loss
     from plugin.optim import build_optimizer
 
@@ -124,7 +124,7 @@ def _record_linear_dtypes(module, seen: set) -> None:
 def _train(recipe, measure=False, dtypes=None):
     """``dtypes``: a set the linear layers' output dtypes of the whole run (steps and evaluation) are added to."""
     import plugin
-    from plugin.data import TextBatches
+    from plugin.data.text import TextBatches
     from plugin.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)

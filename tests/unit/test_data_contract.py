@@ -1,12 +1,12 @@
 """The data contract without processes: the batch fingerprint, the verdict every rank reaches from the gathered
-fingerprints (:func:`plugin.data_contract.mismatch_message`), and the step loader's rows (:mod:`plugin.dataloader`).
+fingerprints (:func:`plugin.data_contract.mismatch_message`), and the step loader's rows (:mod:`plugin.data.loader`).
 The collectives and the engines are in tests/dist/test_data_contract*.py."""
 import pytest
 import torch
 
-from plugin.data import shard_rows
+from plugin.engines.batches import shard_rows
 from plugin.data_contract import digest, fingerprint, mismatch_message
-from plugin.dataloader import StepLoader
+from plugin.data.loader import StepLoader
 from plugin.errors import PluginError
 from plugin.distributed.topology import Topology
 

@@ -2,7 +2,8 @@
 
 The corpus is the sorted ``.py`` files of the running interpreter's standard library, concatenated (the
 same bytes on every rank and every run of one Python build). Batches are drawn by (seed, step) alone, so
-step ``i`` sees the same global batch whatever the layout; each data-parallel rank then takes its rows.
+step ``i`` sees the same global batch whatever the layout; each data-parallel rank then takes its rows
+(``engine.train_step`` does, :func:`plugin.engines.batches.shard_rows`).
 Tokens are bytes modulo the vocabulary (ASCII maps to itself when vocab >= 128).
 """
 from __future__ import annotations
@@ -53,24 +54,3 @@ class TextBatches:
         window = torch.arange(self.seq_len + 1)
         tokens = text[starts[:, None] + window[None, :]].long() % self.vocab
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def shard_rows(batch, dp_rank: int, dp_size: int):
-    """This data rank's contiguous share of a global batch (a tensor or a tuple of tensors)."""
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(shard_rows(b, dp_rank, dp_size) for b in batch)
-    rows = batch.shape[0]
-    if rows % dp_size:
-        raise ValueError(f"a global batch of {rows} rows does not split over {dp_size} data-parallel ranks")
-    share = rows // dp_size
-    return batch[dp_rank * share:(dp_rank + 1) * share]
-
-
-def micro_batches(batch, count: int):
-    """Split a (tuple of) tensor(s) into ``count`` equal micro-batches along the first dim."""
-    if isinstance(batch, (tuple, list)):
-        parts = [micro_batches(b, count) for b in batch]
-        return [type(batch)(p[i] for p in parts) for i in range(count)]
-    if batch.shape[0] % count:
-        raise ValueError(f"{batch.shape[0]} rows do not split into {count} micro-batches")
-    return list(batch.chunk(count))

@@ -3,7 +3,7 @@
 Which rows step ``s`` of epoch ``e`` trains on is a function of (dataset length, global batch, seed, shuffle,
 e, s) alone: the epoch's order (``randperm`` from a generator seeded by ``seed`` and ``e``, or 0..n-1 unshuffled)
 is cut into global batches, and data rank ``d`` of ``D`` takes the ``d``-th contiguous ``global / D`` of each
-(:func:`plugin.data.shard_rows`'s cut). So the union of one step's rows over the data ranks is the same global
+(:func:`plugin.engines.batches.shard_rows`'s cut). So the union of one step's rows over the data ranks is the same global
 batch in the same order whatever the layout, and a one-process run (``D = 1``) trains on exactly those rows:
 the losses of any layout are the losses of one process. Tensor and pipeline peers share a data rank, hence
 their rows (the data contract, :mod:`plugin.data_contract`).
@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from .errors import PluginError
+from ..errors import PluginError
 
 _STATE_KEYS = ("rows", "global_batch", "seed", "shuffle")  # must match for a state to resume here
 
