@@ -131,7 +131,7 @@ def initialize(model, recipe: Union[Recipe, str, Path], *, loss_fn: Optional[Cal
     if backend == "deepspeed":
         from .engines.deepspeed import build
     elif backend == "native":
-        from .engines.native import build
+        from .engines.native.data_parallel import build
     elif backend == "accelerate":
         from .engines.accelerate_engine import build
     else:

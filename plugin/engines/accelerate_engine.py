@@ -152,7 +152,7 @@ def _plugins(mode: str, recipe, world_size: int, cuda: bool, model, layers_of: C
         from accelerate.utils import FullyShardedDataParallelPlugin
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        from .native import fsdp_units
+        from .native.data_parallel import fsdp_units
 
         layer_classes = sorted({type(m).__name__ for m in fsdp_units(model, layers_of)})
         z = recipe.zero

@@ -35,7 +35,7 @@ from ..pipeline_parallel.stages import stages_of_rank
 from ..tensor_parallel.random import tensor_parallel_rngs
 from ..tensor_parallel.recompute import checkpoint
 from ..pipeline_parallel.checks import check_stage_cut
-from .native import native_optimizer, tensor_sharded_names
+from .native.data_parallel import native_optimizer, tensor_sharded_names
 from .native_common import NativeEngine, build_scaler
 
 

@@ -75,7 +75,7 @@ def test_accelerate_launch_without_transformers_trains_native():
 
 def test_the_native_back_end_says_why_under_accelerate_launch(monkeypatch):
     from plugin.engines import accelerate_engine
-    from plugin.engines.native import why_not_accelerate
+    from plugin.engines.native.data_parallel import why_not_accelerate
 
     monkeypatch.setattr(accelerate_engine, "importable", lambda name: name == "deepspeed")  # no transformers
     note = why_not_accelerate(recipe(), ACCELERATE, cuda=False)

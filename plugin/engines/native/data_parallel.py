@@ -33,9 +33,9 @@ from typing import Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import PluginError
-from ..optim import build_optimizer, optimizer_class_and_kwargs, param_groups
-from .native_common import NativeEngine, build_scaler, compute_dtype
+from ...errors import PluginError
+from ...optim import build_optimizer, optimizer_class_and_kwargs, param_groups
+from ..native_common import NativeEngine, build_scaler, compute_dtype
 
 
 def init_process_group(device: torch.device) -> None:
@@ -161,8 +161,8 @@ def why_not_accelerate(recipe, environ: Mapping[str, str], cuda: bool) -> Option
     """Under ``accelerate launch``, the note that says why the native back end trains rather than Accelerate
     itself (:func:`plugin.backends.accelerate_mode`'s reason); None elsewhere, or when the recipe's
     ``launcher`` field chose native."""
-    from ..backends import accelerate_mode, launched_by_accelerate
-    from .accelerate_engine import importable
+    from ...backends import accelerate_mode, launched_by_accelerate
+    from ..accelerate_engine import importable
 
     if not launched_by_accelerate(environ) or recipe.launcher not in ("auto", "accelerate"):
         return None
@@ -176,14 +176,14 @@ def why_not_accelerate(recipe, environ: Mapping[str, str], cuda: bool) -> Option
 def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callable, apply_tp: Callable,
           loss_for: Callable) -> NativeEngine:
     """Shard ``model`` per ``recipe`` on torch's own machinery (the signature of every back end's build)."""
-    from ..distributed.groups import build_groups
-    from ..distributed.topology import Topology
+    from ...distributed.groups import build_groups
+    from ...distributed.topology import Topology
 
     note = why_not_accelerate(recipe, os.environ, device.type == "cuda") if env.is_main else None
     if note:
         print(note, file=sys.stderr, flush=True)
     if layout.pipeline > 1:
-        from .native_pipeline import check_stage_cuts
+        from ..native_pipeline import check_stage_cuts
 
         bounds = check_stage_cuts(model, recipe, layout, layers_of)  # before any group: every rank refuses alike
     init_process_group(device)
@@ -191,7 +191,7 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     groups = build_groups(topology)
     loss_fn = loss_for(groups.tensor_group)
     if layout.pipeline > 1:
-        from .native_pipeline import build_pipeline
+        from ..native_pipeline import build_pipeline
 
         return build_pipeline(model, recipe, layout, topology, groups, device=device, layers_of=layers_of,
                               apply_tp=apply_tp, loss_fn=loss_fn, bounds=bounds)
