@@ -1,12 +1,12 @@
 """What the data contract's check costs: cpu_tp2_dp2 step time with and without it, side by side.
 
 Every ``train_step`` of a layout with tensor or pipeline > 1 fingerprints this rank's rows and all-gathers the
-fingerprints over the world (:mod:`plugin.data_contract`). Here, under torchrun with 4 CPU processes (gloo), each
+fingerprints over the world (:mod:`plugin.engines.data_contract`). Here, under torchrun with 4 CPU processes (gloo), each
 back end (native, and DeepSpeed where installed) trains cpu_tp2_dp2 on the same global batches, the check on
 and off (``engine.check_peer_rows``) in pairs of consecutive steps, each pair in a random order (the same on
 every rank), so both halves see the same machine load; each
 step is timed between barriers. The table gives the median step time of each, their ratio, and the check
-alone: the median of ``--calls`` calls of :func:`plugin.data_contract.check_same_rows` on a step's share,
+alone: the median of ``--calls`` calls of :func:`plugin.engines.data_contract.check_same_rows` on a step's share,
 each entered together (after a barrier), in ms and as a share of the step without it. "paired diff" is the
 mean over pairs of (the step with it - the step without), rank 0, +- two standard errors: on a shared 2-core machine
 the step-to-step noise (several ms) is larger than the check, so the check's own time is the figure. "barrier":
@@ -39,7 +39,7 @@ def worker(steps: int, calls: int) -> None:
 
     import plugin
     from plugin.data.text import TextBatches
-    from plugin.data_contract import check_same_rows, fingerprint
+    from plugin.engines.data_contract import check_same_rows, fingerprint
     from plugin.models.gpt import GPT, GPTConfig
 
     recipe = plugin.load_recipe(RECIPE)

@@ -6,7 +6,7 @@ One table, two parts, for cpu_dp4 at ZeRO 0-3 and cpu_tp2_dp2 (4 CPU processes, 
   ``deepspeed.initialize(model, optimizer, config=...)`` with the same model, weights, optimizer and data.
   The hand-written config is built here from the CLI's export (``to_ds_config``, what ``python -m plugin
   export`` writes), its optimizer block dropped for the torch optimizer passed in, then:
-  "same cfg" adds only the engine's documented adjustments (``plugin.engines.deepspeed.engine_config``:
+  "same cfg" adds only the engine's documented adjustments (``plugin.engines.deepspeed.config.engine_config``:
   ZeRO buckets sized to the model, step logging off), and the benchmark checks that the result is exactly
   the config the plugin's engine handed DeepSpeed (the wrapper's own overhead, goal ratio <= 1.03);
   "DS defaults" is the export as it is, with DeepSpeed's default bucket sizes (the effect of that sizing).
@@ -46,7 +46,7 @@ def hand_config(recipe, model, sized: bool) -> dict:
     """The exported ds_config (``python -m plugin export``) with its optimizer block dropped for a torch
     optimizer; ``sized``: plus the engine's documented adjustments, written out here, not taken from it."""
     from plugin.interop.deepspeed_config import to_ds_config
-    from plugin.engines.deepspeed import size_buckets
+    from plugin.engines.deepspeed.config import size_buckets
 
     config = to_ds_config(recipe)
     config.pop("optimizer")
@@ -63,7 +63,7 @@ def hand_written(recipe, model, sized: bool):
 
     from plugin.distributed.groups import build_groups
     from plugin.models.gpt import gpt_loss
-    from plugin.optim import build_optimizer
+    from plugin.engines.optim import build_optimizer
     from plugin.tensor_parallel import apply_tensor_parallel
     from plugin.distributed.topology import Topology
 

@@ -18,15 +18,15 @@ _LAZY = {
     "RecipeError": "errors",
     "Problem": "errors",
     "PluginError": "errors",
-    "Topology": "topology",
+    "Topology": "distributed.topology",
     "Layout": "recipe.layout",
     "check_recipe": "recipe.checks",
     "load_recipe": "recipe.checks",
     "validate": "recipe.checks",
-    "initialize": "engine",
+    "initialize": "engines.initialize",
     "Engine": "engines.base",
     "apply_tensor_parallel": "tensor_parallel.plan",
-    "build_groups": "groups",
+    "build_groups": "distributed.groups",
 }
 
 __all__ = sorted(_LAZY)

@@ -6,7 +6,7 @@ is cut into global batches, and data rank ``d`` of ``D`` takes the ``d``-th cont
 (:func:`plugin.engines.batches.shard_rows`'s cut). So the union of one step's rows over the data ranks is the same global
 batch in the same order whatever the layout, and a one-process run (``D = 1``) trains on exactly those rows:
 the losses of any layout are the losses of one process. Tensor and pipeline peers share a data rank, hence
-their rows (the data contract, :mod:`plugin.data_contract`).
+their rows (the data contract, :mod:`plugin.engines.data_contract`).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 (``micro x grad_accum`` rows) as an ``(inputs, labels)`` pair, runs ``grad_accum`` micro-batches and one
 optimizer step, and returns the mean loss over the whole global batch: the same float on every rank.
 
-The data contract (:mod:`plugin.data_contract`): the ranks of one model replica (tensor peers, pipeline stages)
+The data contract (:mod:`plugin.engines.data_contract`): the ranks of one model replica (tensor peers, pipeline stages)
 must hold the same rows. Every back end reaches its batch through :meth:`Engine.local_batch` (directly, or
 through :meth:`Engine.micro_batches`), which checks it on every step of a layout with tensor or pipeline > 1,
 so one check covers them all. :meth:`Engine.dataloader` yields rows that keep it.
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .batches import micro_batches, shard_rows
-from ..data_contract import check_same_rows
+from .data_contract import check_same_rows
 
 
 class Engine(abc.ABC):
@@ -125,7 +125,7 @@ class Engine(abc.ABC):
         inputs as the module takes them (:meth:`to_inputs`); labels keep their dtype.
 
         With tensor or pipeline > 1, the share's fingerprint is compared over the model replica first
-        (:func:`plugin.data_contract.check_same_rows`, one all-gather of 3 int64 per rank over the world): a
+        (:func:`plugin.engines.data_contract.check_same_rows`, one all-gather of 3 int64 per rank over the world): a
         mismatch, or a wrong row count on any rank, raises on every rank before anything is trained."""
         call = call or ("train_step" if torch.is_grad_enabled() else "eval_step")  # every eval_step runs no_grad
         rows = batch[0].shape[0]

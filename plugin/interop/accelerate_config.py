@@ -39,7 +39,7 @@ def to_accelerate_config(recipe, world_size: Optional[int] = None, *, cpu: bool 
     its DeepSpeed plugin with the recipe's stage, offload, accumulation and clipping (that plugin needs
     deepspeed and transformers installed where it runs). ``deepspeed=False``, for machines without it: ZeRO >= 1
     is a plain MULTI_GPU launch too, and train.py picks Accelerate's FSDP2 plugin (CUDA, ZeRO-2/3) or the
-    plugin's native back end, as :func:`plugin.backends.accelerate_mode` decides. With tensor or pipeline > 1
+    plugin's native back end, as :func:`plugin.engines.choose.accelerate_mode` decides. With tensor or pipeline > 1
     Accelerate only launches the processes (MULTI_GPU/MULTI_CPU) and train.py runs the plugin's native
     back end, which builds those groups itself.
     """
@@ -75,7 +75,7 @@ def to_accelerate_config(recipe, world_size: Optional[int] = None, *, cpu: bool 
     elif recipe.zero.stage >= 1 and not deepspeed:
         header.append(f"# ZeRO-{recipe.zero.stage} without deepspeed: accelerate launches the processes; train.py "
                       "runs Accelerate's FSDP2 plugin (CUDA, ZeRO-2/3) or the plugin's native back end")
-    elif recipe.zero.stage >= 1:  # cpu: MULTI_CPU launches; train.py picks the mode (plugin.backends)
+    elif recipe.zero.stage >= 1:  # cpu: MULTI_CPU launches; train.py picks the mode (plugin.engines.choose)
         header.append(f"# ZeRO-{recipe.zero.stage} on CPU: accelerate launches the processes; train.py runs "
                       "Accelerate's DeepSpeed plugin where deepspeed and transformers are installed, else the "
                       "plugin's native back end")

@@ -57,7 +57,7 @@ def recipe_ds_config(recipe, layout) -> dict:
         if activations_split_over_tensor(recipe):
             cfg["pipeline"].update({key: False for key in ACTIVATION_PARTITION_KEYS})
         if pp.activation_checkpoint_interval > 0:
-            cfg["pipeline"]["use_reentrant"] = False  # DeepSpeed's reentrant default fails on token ids (ds_owned)
+            cfg["pipeline"]["use_reentrant"] = False  # DeepSpeed's reentrant default fails on token ids (recipe/deepspeed_block.py)
     return cfg
 
 

@@ -153,7 +153,7 @@ def check_pipeline(recipe: Recipe, layout: Optional[Layout]) -> Problems:
 def native_back_end_problems(recipe: Recipe) -> Problems:
     """What the native back end (DDP / ZeroRedundancyOptimizer / FSDP2) cannot do: DeepSpeed's nvme offload,
     and offload below ZeRO-2. Also checked at run time when that back end is chosen because deepspeed is
-    missing (:func:`plugin.engine.initialize`)."""
+    missing (:func:`plugin.engines.initialize.initialize`)."""
     z = recipe.zero
     if "nvme" in (z.offload_param, z.offload_optimizer):
         yield Problem("$.zero", "nvme offload is DeepSpeed's (ZeRO-Infinity); the native back end (chosen by "

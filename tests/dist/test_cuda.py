@@ -147,7 +147,7 @@ def _deepspeed_optimizers_on_gpu(rank, world_size):
     import plugin
     from plugin.recipe.checks import load_recipe
     from plugin.data.text import TextBatches
-    from plugin.engines.deepspeed_optimizer import cpu_adam_error
+    from plugin.engines.deepspeed.optimizer import cpu_adam_error
     from plugin.models.gpt import GPT, GPTConfig
     from plugin.recipe.spec import Recipe
 

@@ -56,7 +56,7 @@ def _reference(recipe, dataset) -> list[float]:
     """One process on the whole global batches of the same loader (data rank 0 of 1)."""
     from plugin.data.loader import StepLoader
     from plugin.models.gpt import GPT, GPTConfig, gpt_loss
-    from plugin.optim import build_optimizer
+    from plugin.engines.optim import build_optimizer
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.from_recipe_model(recipe.model))

@@ -11,7 +11,7 @@
     ``is_grad_partitioned``): stage outputs are sequence slices, not replicated;
 * the config each running engine holds (``DeepSpeedEngine.config``) equals the exported ds_config
   (:func:`plugin.interop.deepspeed_config.to_ds_config`) key by key, but for the keys the engine documents it adjusts
-  (:data:`plugin.engines.deepspeed.ENGINE_ADJUSTED_KEYS`), for that pipeline, ZeRO-1 with optimizer offload
+  (:data:`plugin.engines.deepspeed.config.ENGINE_ADJUSTED_KEYS`), for that pipeline, ZeRO-1 with optimizer offload
   at tp2 x dp2, and ZeRO-3 at dp4.
 
 The native back end's recompute is held to the same in :mod:`.test_native_engine`.
@@ -131,7 +131,7 @@ def test_sequence_parallel_stages_send_whole_activations(results):
 
 
 def test_the_engine_runs_the_exported_config_but_for_the_documented_keys(results):
-    from plugin.engines.deepspeed import ENGINE_ADJUSTED_KEYS
+    from plugin.engines.deepspeed.config import ENGINE_ADJUSTED_KEYS
 
     for rank, out in enumerate(results):
         for name, gap in out["gaps"].items():

@@ -47,7 +47,7 @@ def _measure(rank, world_size):
     from plugin.data.text import TextBatches
     from plugin.engines.memory import held_bytes
     from plugin.models.gpt import GPT, GPTConfig
-    from plugin.optim import param_groups
+    from plugin.engines.optim import param_groups
 
     out = []
     for name, stage in CASES:

@@ -61,7 +61,7 @@ def _reference(recipe):
     """(losses, first-step gradient norm) of one process on the whole global batch."""
     from plugin.data.text import TextBatches
     from plugin.models.gpt import GPT, GPTConfig, gpt_loss
-    from plugin.optim import build_optimizer
+    from plugin.engines.optim import build_optimizer
 
     lay = recipe.layout()
     torch.manual_seed(0)

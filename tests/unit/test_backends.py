@@ -1,7 +1,7 @@
-"""Which back end trains a recipe (plugin.backends): pure decisions, every branch."""
+"""Which back end trains a recipe (plugin.engines.choose): pure decisions, every branch."""
 import pytest
 
-from plugin.backends import ACCELERATE_MARK, accelerate_mode, choose, launched_by_accelerate
+from plugin.engines.choose import ACCELERATE_MARK, accelerate_mode, choose, launched_by_accelerate
 from plugin.recipe.checks import check_recipe, load_recipe, native_back_end_problems
 from plugin.errors import PluginError
 from plugin.recipe.spec import Recipe
@@ -74,10 +74,10 @@ def test_accelerate_launch_without_transformers_trains_native():
 
 
 def test_the_native_back_end_says_why_under_accelerate_launch(monkeypatch):
-    from plugin.engines import accelerate_engine
-    from plugin.engines.native.data_parallel import why_not_accelerate
+    from plugin.engines.native import common
+    from plugin.engines.native.common import why_not_accelerate
 
-    monkeypatch.setattr(accelerate_engine, "importable", lambda name: name == "deepspeed")  # no transformers
+    monkeypatch.setattr(common, "importable", lambda name: name == "deepspeed")  # no transformers
     note = why_not_accelerate(recipe(), ACCELERATE, cuda=False)
     assert note and "note: accelerate launch: the native back end trains" in note
     assert "transformers is not installed" in note

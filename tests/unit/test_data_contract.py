@@ -1,11 +1,11 @@
 """The data contract without processes: the batch fingerprint, the verdict every rank reaches from the gathered
-fingerprints (:func:`plugin.data_contract.mismatch_message`), and the step loader's rows (:mod:`plugin.data.loader`).
+fingerprints (:func:`plugin.engines.data_contract.mismatch_message`), and the step loader's rows (:mod:`plugin.data.loader`).
 The collectives and the engines are in tests/dist/test_data_contract*.py."""
 import pytest
 import torch
 
 from plugin.engines.batches import shard_rows
-from plugin.data_contract import digest, fingerprint, mismatch_message
+from plugin.engines.data_contract import digest, fingerprint, mismatch_message
 from plugin.data.loader import StepLoader
 from plugin.errors import PluginError
 from plugin.distributed.topology import Topology
@@ -200,7 +200,7 @@ def test_collate_fn_output_is_yielded_as_it_returns_it():
 
 def test_the_fast_verdict_agrees_with_the_message_on_every_kind_of_case():
     """check_same_rows decides with all_agree (tensor ops) and only then builds the message: both must agree."""
-    from plugin.data_contract import all_agree
+    from plugin.engines.data_contract import all_agree
 
     topo = Topology(pp_size=2, dp_size=3, tp_size=2)
     x, y = _tokens()

@@ -1,4 +1,4 @@
-"""Which optimizer the DeepSpeed engine steps (:mod:`plugin.engines.deepspeed_optimizer`): torch's unless an
+"""Which optimizer the DeepSpeed engine steps (:mod:`plugin.engines.deepspeed.optimizer`): torch's unless an
 offloaded Adam on CUDA needs DeepSpeed's CPUAdam, and torch's again, with one line saying why, where that op
 cannot be built. The CUDA side of the choice is decided here without a GPU (no tensor is made on the device);
 DeepSpeed's real CPUAdam builder is made to fail the way it fails on a machine without a C++ compiler (a
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from plugin.recipe.checks import load_recipe
-from plugin.engines.deepspeed_optimizer import choose_optimizer, cpu_adam_error
-from plugin.optim import build_optimizer
+from plugin.engines.deepspeed.optimizer import choose_optimizer, cpu_adam_error
+from plugin.engines.optim import build_optimizer
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 

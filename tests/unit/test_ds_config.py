@@ -437,7 +437,7 @@ def test_every_exported_config_is_accepted_by_deepspeed():
 def test_readme_names_every_key_the_deepspeed_engine_adjusts():
     """The keys where the engine's config differs from the export (tests/dist/test_deepspeed_engine.py holds the
     running engine to them) are the README's list, each by name."""
-    from plugin.engines.deepspeed import ENGINE_ADJUSTED_KEYS
+    from plugin.engines.deepspeed.config import ENGINE_ADJUSTED_KEYS
 
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("**what the engine adds to the export**"):]

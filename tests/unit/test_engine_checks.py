@@ -4,7 +4,7 @@ import torch
 
 import plugin
 from plugin.recipe.checks import load_recipe
-from plugin.engine import choose_backend, layers_of
+from plugin.engines.initialize import choose_backend, layers_of
 from plugin.errors import PluginError, RecipeError
 from plugin.models.gpt import GPT, GPTConfig
 
@@ -64,7 +64,7 @@ def test_layers_of():
 
 
 def test_a_list_of_layers_is_one_module_for_every_back_end():
-    from plugin.engine import as_module
+    from plugin.engines.initialize import as_module
 
     layers = [torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1)]
     for given in (layers, tuple(layers)):

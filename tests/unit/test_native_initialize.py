@@ -41,7 +41,7 @@ def test_a_world_of_one_where_the_launch_has_four_is_caught(accelerate_state):
     machine): a real Accelerator of one process, while the launch started four."""
     from accelerate import Accelerator
 
-    from plugin.engines.accelerate_engine import _check_accelerator
+    from plugin.engines.accelerate import _check_accelerator
 
     acc = Accelerator(cpu=True)
     assert (acc.distributed_type.value, acc.num_processes) == ("NO", 1)
@@ -59,7 +59,7 @@ def test_accelerate_dropping_its_deepspeed_plugin_is_caught(accelerate_state, mo
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, DistributedType
 
-    from plugin.engines.accelerate_engine import _check_accelerator
+    from plugin.engines.accelerate import _check_accelerator
 
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
@@ -77,8 +77,9 @@ def test_accelerate_engine_without_transformers_explains_instead_of_crashing(mon
     transformers is hidden as where it is not installed (``find_spec`` answers None, importing it fails)."""
     pytest.importorskip("accelerate")
     pytest.importorskip("deepspeed")
-    from plugin.engines import accelerate_engine
     from plugin.distributed.env import launch_env
+    from plugin.engines import accelerate as accelerate_engine
+    from plugin.engines.context import BuildContext
 
     monkeypatch.setitem(sys.modules, "transformers", None)
     assert not accelerate_engine.importable("transformers")
@@ -86,6 +87,6 @@ def test_accelerate_engine_without_transformers_explains_instead_of_crashing(mon
     monkeypatch.setenv("RANK", "0")
     r = load_recipe("cpu_dp4")
     with pytest.raises(PluginError, match="transformers is not installed.*-> pip install transformers"):
-        accelerate_engine.build(torch.nn.Linear(2, 2), r, r.layout(4), launch_env(), device=torch.device("cpu"),
-                                layers_of=None, apply_tp=None, loss_for=None)
+        accelerate_engine.build(BuildContext(model=torch.nn.Linear(2, 2), recipe=r, layout=r.layout(4), env=launch_env(),
+                                             device=torch.device("cpu"), layers_of=None, apply_tp=None, loss_for=None))
     assert not torch.distributed.is_initialized()

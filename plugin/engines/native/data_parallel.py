@@ -1,4 +1,4 @@
-"""The native back end: the same recipes on PyTorch's own machinery, without DeepSpeed.
+"""The native back end at pipeline 1: the same recipes on PyTorch's own machinery, without DeepSpeed.
 
 How each ZeRO stage maps (over the data-parallel group of :func:`plugin.distributed.groups.build_groups`):
 
@@ -19,75 +19,20 @@ How each ZeRO stage maps (over the data-parallel group of :func:`plugin.distribu
 Each transformer layer (``layers_of(model)`` entries that are registered submodules of the model) is its
 own FSDP2 unit, then the root. Tensor parallelism shards the model first with the plugin's layers (plain
 tensors, one slice per tensor rank), so FSDP2 shards those slices further over the data group. Pipelines
-(``pipeline > 1``) are in :mod:`.native_pipeline`. Every engine clips by the global norm
+(``pipeline > 1``) are in :mod:`.pipeline`. Every engine clips by the global norm
 (:mod:`plugin.distributed.clipping`) and averages the loss as the DeepSpeed back end does: mean over micro-batches, then
 over data ranks, the same float on every rank.
 """
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
-from typing import Callable, Mapping, Optional
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 
-from ...errors import PluginError
-from ...optim import build_optimizer, optimizer_class_and_kwargs, param_groups
-from ..native_common import NativeEngine, build_scaler, compute_dtype
-
-
-def init_process_group(device: torch.device) -> None:
-    """Join the launcher's rendezvous (env://): NCCL on CUDA, gloo on CPU."""
-    if not dist.is_initialized():
-        if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device)
-        else:
-            dist.init_process_group("gloo")
-
-
-def tensor_sharded_names(module: torch.nn.Module) -> set[str]:
-    return {n for n, p in module.named_parameters() if getattr(p, "tensor_model_parallel", False)}
-
-
-def ids_of(module: torch.nn.Module, names: set[str]) -> set[int]:
-    """Ids of the parameters called ``names`` now (FSDP2 replaces parameters by DTensor ones)."""
-    return {id(p) for n, p in module.named_parameters() if n in names}
-
-
-def fsdp_units(model: torch.nn.Module, layers_of: Callable) -> list[torch.nn.Module]:
-    """The layers FSDP2 shards one by one: entries of ``layers_of(model)`` that are submodules of ``model``
-    and share no parameter with another layer (tied weights stay with the root)."""
-    try:
-        layers = layers_of(model)
-    except PluginError:  # the model gives no layer list: the root alone is the unit
-        return []
-    own = {id(m) for m in model.modules() if m is not model}
-    counts: dict[int, int] = {}
-    for layer in layers:
-        for p in layer.parameters():
-            counts[id(p)] = counts.get(id(p), 0) + 1
-    return [layer for layer in layers if id(layer) in own and next(layer.parameters(), None) is not None
-            and all(counts[id(p)] == 1 for p in layer.parameters())]
-
-
-def shard_fsdp2(model, recipe, groups, device, layers_of: Callable):
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    mesh = DeviceMesh.from_group(groups.data_group, device.type, mesh_dim_names=("data",))
-    z = recipe.zero
-    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") \
-        if "cpu" in (z.offload_optimizer, z.offload_param) else OffloadPolicy()
-    dtype = compute_dtype(recipe)
-    inner = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
-    root = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32) \
-        if dtype else MixedPrecisionPolicy()
-    reshard = z.stage == 3
-    for layer in fsdp_units(model, layers_of):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=inner, offload_policy=offload)
-    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=root, offload_policy=offload)
+from ..context import BuildContext
+from .common import NativeEngine, build_scaler, ids_of, native_optimizer, tensor_sharded_names, wrap_ddp
+from .fsdp import reshard_all, shard_fsdp2
 
 
 class DataParallelEngine(NativeEngine):
@@ -136,81 +81,23 @@ class DataParallelEngine(NativeEngine):
         return self.mean_over_data(torch.stack(losses).mean())
 
 
-def reshard_all(module: torch.nn.Module) -> None:
-    """Free the gathered parameters of every FSDP2 unit in ``module`` (each keeps its shard)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
-def native_optimizer(module, recipe, groups, zero1: bool):
-    """The recipe's torch optimizer, or ZeroRedundancyOptimizer over the data group for ZeRO-1."""
-    if not zero1:
-        return build_optimizer(module.parameters(), recipe.optimizer)
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    cls, kwargs = optimizer_class_and_kwargs(recipe.optimizer)
-    return ZeroRedundancyOptimizer(param_groups(module.parameters(), recipe.optimizer.weight_decay),
-                                   optimizer_class=cls, process_group=groups.data_group,
-                                   parameters_as_bucket_view=True, **kwargs)  # one broadcast per rank, not per tensor
-
-
-def why_not_accelerate(recipe, environ: Mapping[str, str], cuda: bool) -> Optional[str]:
-    """Under ``accelerate launch``, the note that says why the native back end trains rather than Accelerate
-    itself (:func:`plugin.backends.accelerate_mode`'s reason); None elsewhere, or when the recipe's
-    ``launcher`` field chose native."""
-    from ...backends import accelerate_mode, launched_by_accelerate
-    from ..accelerate_engine import importable
-
-    if not launched_by_accelerate(environ) or recipe.launcher not in ("auto", "accelerate"):
-        return None
-    mode, why = accelerate_mode(recipe, cuda=cuda, has_deepspeed=importable("deepspeed"),
-                                has_transformers=importable("transformers"))
-    if mode:
-        return None
-    return f"{recipe.source or recipe.name}: note: accelerate launch: the native back end trains ({why})"
-
-
-def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callable, apply_tp: Callable,
-          loss_for: Callable) -> NativeEngine:
-    """Shard ``model`` per ``recipe`` on torch's own machinery (the signature of every back end's build)."""
-    from ...distributed.groups import build_groups
-    from ...distributed.topology import Topology
-
-    note = why_not_accelerate(recipe, os.environ, device.type == "cuda") if env.is_main else None
-    if note:
-        print(note, file=sys.stderr, flush=True)
-    if layout.pipeline > 1:
-        from ..native_pipeline import check_stage_cuts
-
-        bounds = check_stage_cuts(model, recipe, layout, layers_of)  # before any group: every rank refuses alike
-    init_process_group(device)
-    topology = Topology(layout.pipeline, layout.data, layout.tensor)
-    groups = build_groups(topology)
-    loss_fn = loss_for(groups.tensor_group)
-    if layout.pipeline > 1:
-        from ..native_pipeline import build_pipeline
-
-        return build_pipeline(model, recipe, layout, topology, groups, device=device, layers_of=layers_of,
-                              apply_tp=apply_tp, loss_fn=loss_fn, bounds=bounds)
-    module = apply_tp(model, groups.tensor_group) if layout.tensor > 1 else model
+def build_data_parallel(ctx: BuildContext, groups) -> DataParallelEngine:
+    """pipeline = 1: shard the model over the tensor group, then DDP (ZeRO-0/1, with ZeroRedundancyOptimizer at
+    ZeRO-1) or FSDP2 (ZeRO-2/3) over the data group."""
+    recipe, layout, device = ctx.recipe, ctx.layout, ctx.device
+    module = ctx.apply_tp(ctx.model, groups.tensor_group) if layout.tensor > 1 else ctx.model
     module.to(device)
     sharded_names = tensor_sharded_names(module)
     stage = recipe.zero.stage
     if stage >= 2:
-        wrapped = shard_fsdp2(module, recipe, groups, device, layers_of)
+        wrapped = shard_fsdp2(module, recipe, groups, device, ctx.layers_of)
     elif layout.data > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        wrapped = DistributedDataParallel(module, process_group=groups.data_group,
-                                          device_ids=[device] if device.type == "cuda" else None,
-                                          gradient_as_bucket_view=True)
+        wrapped = wrap_ddp(module, groups, device)
     else:
         wrapped = module
     optimizer = native_optimizer(module, recipe, groups, zero1=stage == 1 and layout.data > 1)
-    return DataParallelEngine(recipe, layout, topology, groups, module, device, container=module,
+    return DataParallelEngine(recipe, layout, ctx.topology, groups, module, device, container=module,
                               optimizer=optimizer, scaler=build_scaler(recipe, device),
-                              tensor_sharded=ids_of(module, sharded_names), wrapped=wrapped, loss_fn=loss_fn,
-                              data_sharded=stage >= 2, gathered_through_step=stage == 2)
+                              tensor_sharded=ids_of(module, sharded_names), wrapped=wrapped,
+                              loss_fn=ctx.loss_for(groups.tensor_group), data_sharded=stage >= 2,
+                              gathered_through_step=stage == 2)

@@ -1,5 +1,5 @@
 """Accelerate's own ``Accelerator`` under ``accelerate launch``, for recipes it can carry (tensor = pipeline = 1;
-:func:`plugin.backends.accelerate_mode` decides, anything else runs the native back end).
+:func:`plugin.engines.choose.accelerate_mode` decides, anything else runs the native back end).
 
 The Accelerator is fed from the recipe, not from the launch flags:
 
@@ -10,7 +10,7 @@ The Accelerator is fed from the recipe, not from the launch flags:
   ``GradScalerKwargs`` from the recipe's fp16 block.
 * ``"deepspeed"`` (ZeRO >= 1, deepspeed and transformers installed: the plugin imports transformers'
   ``HfDeepSpeedConfig``): a ``DeepSpeedPlugin`` whose config is the recipe's export
-  (:func:`plugin.engines.deepspeed.engine_config`) with the recipe's torch optimizer. On CPU this needs
+  (:func:`plugin.engines.deepspeed.config.engine_config`) with the recipe's torch optimizer. On CPU this needs
   ``InitProcessGroupKwargs(backend="gloo")`` and ``cpu=False`` with ``ACCELERATE_USE_CPU`` cleared in this
   process (Accelerate otherwise drops the plugin and runs plain DDP, silently). Under bf16/fp16 DeepSpeed casts
   the model and Accelerate adds no autocast: floating inputs are cast to the model's dtype as they enter
@@ -26,24 +26,22 @@ step and client_state registered on them.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from typing import Callable, Optional
 
 import torch
 
+from ..distributed.groups import build_groups
 from ..errors import PluginError
-from ..optim import build_optimizer
+from ..interop.precision import PRECISIONS
 from .base import Engine
-
-_MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
-
-
-def importable(name: str) -> bool:
-    """Whether ``import name`` can find the package (what :func:`plugin.backends.accelerate_mode` is told)."""
-    return importlib.util.find_spec(name) is not None
-
+from .choose import accelerate_mode, importable
+from .context import BuildContext
+from .deepspeed.config import engine_config
+from .native.fsdp import fsdp_units
+from .optim import build_optimizer
+from .precision import loss_scaler_kwargs
 
 class _Progress:
     """The step counter and client_state, saved and loaded by ``save_state``/``load_state``."""
@@ -130,17 +128,10 @@ def _plugins(mode: str, recipe, world_size: int, cuda: bool, model, layers_of: C
     from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs
 
     kwargs: dict = {"kwargs_handlers": []}
-    if recipe.precision == "fp16" and mode != "deepspeed":
-        from ..recipe.spec import LossScale
-
-        cfg = recipe.fp16 or LossScale()
-        scale = (dict(init_scale=float(cfg.loss_scale), growth_interval=2 ** 31 - 1) if cfg.loss_scale > 0 else
-                 dict(init_scale=float(2 ** cfg.initial_scale_power), growth_interval=cfg.loss_scale_window))
-        kwargs["kwargs_handlers"].append(GradScalerKwargs(**scale))
+    if recipe.precision == "fp16" and mode != "deepspeed":  # DeepSpeed scales the loss itself, from the ds_config
+        kwargs["kwargs_handlers"].append(GradScalerKwargs(**loss_scaler_kwargs(recipe)))
     if mode == "deepspeed":
         from accelerate.utils import DeepSpeedPlugin
-
-        from .deepspeed import engine_config
 
         config = engine_config(recipe, world_size, use_ds_optimizer=False,
                                numels=tuple(p.numel() for p in model.parameters()))
@@ -151,8 +142,6 @@ def _plugins(mode: str, recipe, world_size: int, cuda: bool, model, layers_of: C
     elif mode == "fsdp":
         from accelerate.utils import FullyShardedDataParallelPlugin
         from torch.distributed.fsdp import CPUOffloadPolicy
-
-        from .native.data_parallel import fsdp_units
 
         layer_classes = sorted({type(m).__name__ for m in fsdp_units(model, layers_of)})
         z = recipe.zero
@@ -180,15 +169,12 @@ def _check_accelerator(acc, mode: str, world_size: int) -> None:
             "not --cpu (one process), or use torchrun")
 
 
-def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callable, apply_tp: Callable,
-          loss_for: Callable) -> AccelerateEngine:
+def build(ctx: BuildContext) -> AccelerateEngine:
+    """``ctx.model`` prepared by an ``Accelerator`` in the mode :func:`plugin.engines.choose.accelerate_mode` picks."""
     from accelerate import Accelerator
 
-    from ..backends import accelerate_mode
-    from ..distributed.groups import build_groups
-    from ..distributed.topology import Topology
-
-    cuda = device.type == "cuda"
+    model, recipe, layout, env = ctx.model, ctx.recipe, ctx.layout, ctx.env
+    cuda = ctx.device.type == "cuda"
     mode, why = accelerate_mode(recipe, cuda=cuda, has_deepspeed=importable("deepspeed"),
                                 has_transformers=importable("transformers"))
     if mode is None:
@@ -196,12 +182,12 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
         raise PluginError(f"Accelerate cannot carry this recipe: {why} -> {fix}let initialize choose the back end")
     if env.is_main:
         print(f"{recipe.source or recipe.name}: note: accelerate launch: {why}", file=sys.stderr, flush=True)
-    acc = Accelerator(mixed_precision=_MIXED[recipe.precision], gradient_accumulation_steps=layout.grad_accum,
-                      **_plugins(mode, recipe, env.world_size, cuda, model, layers_of))
+    acc = Accelerator(mixed_precision=PRECISIONS[recipe.precision].accelerate,
+                      gradient_accumulation_steps=layout.grad_accum,
+                      **_plugins(mode, recipe, env.world_size, cuda, model, ctx.layers_of))
     _check_accelerator(acc, mode, env.world_size)
-    topology = Topology(layout.pipeline, layout.data, layout.tensor)
-    groups = build_groups(topology)
-    loss_fn = loss_for(groups.tensor_group)
+    groups = build_groups(ctx.topology)
+    loss_fn = ctx.loss_for(groups.tensor_group)
     optimizer = build_optimizer(model.parameters(), recipe.optimizer)
     prepared, optimizer = acc.prepare(model, optimizer)
-    return AccelerateEngine(recipe, layout, topology, groups, acc, prepared, optimizer, loss_fn, mode)
+    return AccelerateEngine(recipe, layout, ctx.topology, groups, acc, prepared, optimizer, loss_fn, mode)

@@ -3,34 +3,33 @@
 The order matters for users: the recipe and the launched world are checked on every rank before any
 process group exists (a mismatch exits everywhere within seconds, no hang), then the model's real dims
 against the recipe, then the back end is chosen (DeepSpeed, Accelerate's Accelerator, or the native torch
-back end: :mod:`plugin.backends`) and builds groups, shards the model and wraps it.
+back end: :mod:`plugin.engines.choose`) and builds groups, shards the model and wraps it.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from .recipe.checks import load_recipe
-from .errors import PluginError, Problem, RecipeError
-from .recipe.spec import Recipe
-from .distributed.env import check_launch, ensure_single_process_env, launch_env
-from .engines.model_checks import check_model
+from ..distributed.env import check_launch, ensure_single_process_env, launch_env
+from ..errors import PluginError, Problem, RecipeError
+from ..interop.precision import PRECISIONS
+from ..recipe.checks import load_recipe, native_back_end_problems
+from ..recipe.spec import Recipe
+from .choose import ACCELERATE_MARK, choose, importable
+from .context import BuildContext
+from .model_checks import check_model
 
 
 def choose_backend(recipe: Recipe, device_type: Optional[str] = None) -> str:
-    """"deepspeed", "accelerate" or "native" for ``recipe`` in this process (:func:`plugin.backends.choose`)."""
-    from .backends import choose
-
+    """"deepspeed", "accelerate" or "native" for ``recipe`` in this process (:func:`plugin.engines.choose.choose`)."""
     if device_type is None:
         import torch
 
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return choose(recipe, environ=os.environ,
-                  has_deepspeed=importlib.util.find_spec("deepspeed") is not None, cuda=device_type == "cuda",
-                  has_transformers=importlib.util.find_spec("transformers") is not None)
+    return choose(recipe, environ=os.environ, has_deepspeed=importable("deepspeed"), cuda=device_type == "cuda",
+                  has_transformers=importable("transformers"))
 
 
 def _device(env):
@@ -70,9 +69,6 @@ def layers_of(model) -> list:
 
 def _warn_on_launch_precision(recipe: Recipe, env) -> None:
     """``accelerate launch --mixed_precision X`` that disagrees with the recipe: the recipe decides; say so once."""
-    from .backends import ACCELERATE_MARK
-    from .interop.precision import PRECISIONS
-
     launched = os.environ.get(ACCELERATE_MARK)
     wanted = PRECISIONS[recipe.precision].accelerate
     if env.is_main and launched not in (None, wanted):
@@ -120,24 +116,22 @@ def initialize(model, recipe: Union[Recipe, str, Path], *, loss_fn: Optional[Cal
     backend = backend or choose_backend(recipe, device.type)
     _warn_on_launch_precision(recipe, env)
     if backend == "native":  # chosen because deepspeed is missing: what only DeepSpeed does is refused now
-        from .recipe.checks import native_back_end_problems
-
         problems = [p.with_file(recipe.source) for p in native_back_end_problems(recipe)]
         if problems:
             _fail(problems, env)
-    from .tensor_parallel.hooks import tensor_parallel_hooks
+    from ..tensor_parallel.hooks import tensor_parallel_hooks  # imports torch: not before the checks have passed
 
     apply_tp, loss_for = tensor_parallel_hooks(model, recipe, loss_fn)
     if backend == "deepspeed":
-        from .engines.deepspeed import build
+        from .deepspeed.engine import build
     elif backend == "native":
-        from .engines.native.data_parallel import build
+        from .native.build import build
     elif backend == "accelerate":
-        from .engines.accelerate_engine import build
+        from .accelerate import build
     else:
         raise PluginError(f'unknown backend {backend!r} -> use "deepspeed", "accelerate" or "native"')
-    engine = build(model, recipe, layout, env, device=device, layers_of=layers_of, apply_tp=apply_tp,
-                   loss_for=loss_for)
+    engine = build(BuildContext(model=model, recipe=recipe, layout=layout, env=env, device=device,
+                                layers_of=layers_of, apply_tp=apply_tp, loss_for=loss_for))
     if env.is_main:  # here, not in each back end: every back end passes this line
         print(f"{recipe.source or recipe.name}: {startup_line(engine)}", file=sys.stderr, flush=True)
     return engine

@@ -1,5 +1,5 @@
-"""What the native engines share: precision, the optimizer step (unscale, global-norm clip, step), checkpoints
-and the bytes a rank holds.
+"""What the native engines share: joining the rendezvous, the optimizer (ZeRO-1 included), the one DDP wrap, the
+fp16 loss scaler, the optimizer step (unscale, global-norm clip, step), checkpoints and the bytes a rank holds.
 
 Precision (the recipe's ``precision`` and ``fp16`` block):
 
@@ -9,45 +9,85 @@ Precision (the recipe's ``precision`` and ``fp16`` block):
 * bf16 / fp16 with FSDP2 (ZeRO-2/3): ``MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)``,
   fp32 sharded parameters, the root's output cast back to fp32 for the loss.
 * fp16: a ``ShardedGradScaler`` (torch's loss scaler that agrees on overflow across every rank, so all
-  ranks skip the same steps) with ``init_scale = 2 ** initial_scale_power`` and ``growth_interval =
-  loss_scale_window``; a static ``loss_scale > 0`` starts there and never grows. DeepSpeed's
-  ``hysteresis`` and ``min_loss_scale`` have no torch equivalent: the scale halves at each overflow.
+  ranks skip the same steps), its arguments from :func:`plugin.engines.precision.loss_scaler_kwargs`.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..distributed.clipping import clip_by_global_norm
-from ..tensor_parallel.random import tensor_parallel_rngs  # noqa: F401 (its former home: kept importable)
-from .base import Engine
+from ...distributed.clipping import clip_by_global_norm
+from ..base import Engine
+from ..choose import accelerate_mode, importable, launched_by_accelerate
+from ..optim import build_optimizer, optimizer_class_and_kwargs, param_groups
+from ..precision import compute_dtype, loss_scaler_kwargs
+from . import state
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+def init_process_group(device: torch.device) -> None:
+    """Join the launcher's rendezvous (env://): NCCL on CUDA, gloo on CPU."""
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
 
 
-def compute_dtype(recipe) -> Optional[torch.dtype]:
-    return _DTYPES.get(recipe.precision)
+def tensor_sharded_names(module: torch.nn.Module) -> set[str]:
+    return {n for n, p in module.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+
+
+def ids_of(module: torch.nn.Module, names: set[str]) -> set[int]:
+    """Ids of the parameters called ``names`` now (FSDP2 replaces parameters by DTensor ones)."""
+    return {id(p) for n, p in module.named_parameters() if n in names}
+
+
+def native_optimizer(module, recipe, groups, zero1: bool):
+    """The recipe's torch optimizer, or ZeroRedundancyOptimizer over the data group for ZeRO-1."""
+    if not zero1:
+        return build_optimizer(module.parameters(), recipe.optimizer)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    cls, kwargs = optimizer_class_and_kwargs(recipe.optimizer)
+    return ZeroRedundancyOptimizer(param_groups(module.parameters(), recipe.optimizer.weight_decay),
+                                   optimizer_class=cls, process_group=groups.data_group,
+                                   parameters_as_bucket_view=True, **kwargs)  # one broadcast per rank, not per tensor
+
+
+def why_not_accelerate(recipe, environ: Mapping[str, str], cuda: bool) -> Optional[str]:
+    """Under ``accelerate launch``, the note that says why the native back end trains rather than Accelerate
+    itself (:func:`plugin.engines.choose.accelerate_mode`'s reason); None elsewhere, or when the recipe's
+    ``launcher`` field chose native."""
+    if not launched_by_accelerate(environ) or recipe.launcher not in ("auto", "accelerate"):
+        return None
+    mode, why = accelerate_mode(recipe, cuda=cuda, has_deepspeed=importable("deepspeed"),
+                                has_transformers=importable("transformers"))
+    if mode:
+        return None
+    return f"{recipe.source or recipe.name}: note: accelerate launch: the native back end trains ({why})"
 
 
 def build_scaler(recipe, device: torch.device):
-    """The fp16 loss scaler from the recipe's fp16 block (None unless precision is fp16)."""
+    """The fp16 loss scaler from the recipe's fp16 block (None unless precision is fp16): a ``ShardedGradScaler``,
+    torch's loss scaler that agrees on overflow across every rank, so all ranks skip the same steps."""
     if recipe.precision != "fp16":
         return None
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    from ..recipe.spec import LossScale
-
-    cfg = recipe.fp16 or LossScale()
-    if cfg.loss_scale > 0:
-        kwargs = {"init_scale": float(cfg.loss_scale), "growth_interval": 2 ** 31 - 1}
-    else:
-        kwargs = {"init_scale": float(2 ** cfg.initial_scale_power), "growth_interval": cfg.loss_scale_window}
-    scaler = ShardedGradScaler(device=device.type, process_group=dist.group.WORLD, **kwargs)
+    scaler = ShardedGradScaler(device=device.type, process_group=dist.group.WORLD, **loss_scaler_kwargs(recipe))
     scaler.scale(torch.zeros((), device=device))  # create the scale on every rank, even where no loss is computed
     return scaler
+
+
+def wrap_ddp(module: torch.nn.Module, groups, device: torch.device):
+    """``module`` in DistributedDataParallel over the data group: every native engine's one DDP wrap."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(module, process_group=groups.data_group,
+                                   device_ids=[device] if device.type == "cuda" else None,
+                                   gradient_as_bucket_view=True)  # gradients are views into DDP's buckets: no copy
 
 
 class NativeEngine(Engine):
@@ -102,14 +142,10 @@ class NativeEngine(Engine):
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str, client_state: Optional[dict] = None) -> None:
-        from . import native_state
-
-        native_state.save(self, directory, client_state)
+        state.save(self, directory, client_state)
 
     def load(self, directory: str) -> dict:
-        from . import native_state
-
-        return native_state.load(self, directory)
+        return state.load(self, directory)
 
     # ------------------------------------------------------------------ memory
     def state_bytes(self) -> dict[str, int]:
@@ -117,6 +153,6 @@ class NativeEngine(Engine):
         (:func:`plugin.engines.memory.held_bytes`): this rank's parameters (FSDP2: its shards), their
         gradients (DDP: views into its buckets), the optimizer's states (ZeRO-1: this rank's partition).
         Measure inside a step (after a backward) for gradients to exist."""
-        from .memory import held_bytes
+        from ..memory import held_bytes
 
         return held_bytes(self.container, getattr(self.optimizer, "optim", self.optimizer))

@@ -8,7 +8,7 @@ over the data group.
 * Schedules: ``"gpipe"`` -> ``ScheduleGPipe``, ``"1f1b"`` -> ``Schedule1F1B``, ``"interleaved_1f1b"`` ->
   ``ScheduleInterleaved1F1B`` (``virtual_stages`` chunks per rank), with ``n_microbatches = grad_accum``; the
   schedule divides the accumulated gradients by the micro-batch count, like DeepSpeed's loss scaling.
-* Data parallelism: each stage module is wrapped in DDP over the data group (the stages all-reduce at their
+* Data parallelism: each stage module is wrapped in DDP over the data group (:func:`.common.wrap_ddp`) (the stages all-reduce at their
   last backward); ZeRO-1 adds ``ZeroRedundancyOptimizer`` over the same group. ZeRO-2/3 with pipeline > 1
   is refused by the recipe checks (as DeepSpeed refuses it).
 * ``activation_checkpoint_interval = k``: every k consecutive layers of a stage run under
@@ -31,12 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..pipeline_parallel.stages import stages_of_rank
-from ..tensor_parallel.random import tensor_parallel_rngs
-from ..tensor_parallel.recompute import checkpoint
-from ..pipeline_parallel.checks import check_stage_cut
-from .native.data_parallel import native_optimizer, tensor_sharded_names
-from .native_common import NativeEngine, build_scaler
+from ...pipeline_parallel.stages import stages_of_rank
+from ...tensor_parallel.random import tensor_parallel_rngs
+from ...tensor_parallel.recompute import checkpoint
+from ..context import BuildContext
+from .common import NativeEngine, build_scaler, ids_of, native_optimizer, tensor_sharded_names, wrap_ddp
 
 
 class StageModule(nn.Module):
@@ -78,17 +77,10 @@ def _run(layers, x):
 _SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
 
-def _virtual_stages(recipe) -> int:
+def virtual_stages(recipe) -> int:
+    """Model chunks per pipeline rank: ``virtual_stages`` under interleaved 1F1B, else 1."""
     pp_cfg = recipe.pipeline_parallel
     return pp_cfg.virtual_stages if pp_cfg.schedule == "interleaved_1f1b" else 1
-
-
-def check_stage_cuts(model, recipe, layout, layers_of: Callable) -> list[int]:
-    """The stage boundaries of ``model``'s layers (``pipeline x virtual_stages`` stages, counted before tensor
-    sharding, as DeepSpeed counts them); a weight two stages would hold is refused by name. Pure of process
-    groups, so the back end calls it before it creates any: every rank refuses alike, nothing hangs."""
-    return check_stage_cut(layers_of(model), recipe.pipeline_parallel.partition,
-                           layout.pipeline * _virtual_stages(recipe), "torch.distributed.pipelining")
 
 
 class PipelineEngine(NativeEngine):
@@ -139,18 +131,18 @@ class PipelineEngine(NativeEngine):
         return self._run(batch, train=False)
 
 
-def build_pipeline(model, recipe, layout, topology, groups, *, device, layers_of: Callable, apply_tp: Callable,
-                   loss_fn: Callable, bounds: list[int]) -> PipelineEngine:
-    """Stages of ``model`` on this rank's pipeline group; ``bounds``: :func:`check_stage_cuts`'s cut, made
-    before any process group existed."""
+def build_pipeline(ctx: BuildContext, groups, bounds: list[int]) -> PipelineEngine:
+    """Stages of ``ctx.model`` on this rank's pipeline group; ``bounds``: the cut
+    (:func:`plugin.pipeline_parallel.checks.check_stage_cut`), made before any process group existed."""
     from torch.distributed import pipelining
 
+    recipe, layout, device = ctx.recipe, ctx.layout, ctx.device
     pp_cfg = recipe.pipeline_parallel
-    virtual = _virtual_stages(recipe)
+    virtual = virtual_stages(recipe)
     num_stages = layout.pipeline * virtual
     if layout.tensor > 1:
-        apply_tp(model, groups.tensor_group, pp_rank=groups.pp_rank)
-    layers = layers_of(model)  # the same objects, now sharded
+        ctx.apply_tp(ctx.model, groups.tensor_group, pp_rank=groups.pp_rank)
+    layers = ctx.layers_of(ctx.model)  # the same objects, now sharded
     mine = stages_of_rank(groups.pp_rank, layout.pipeline, virtual)
     modules = {s: StageModule({i: layers[i] for i in range(bounds[s], bounds[s + 1])},
                               pp_cfg.activation_checkpoint_interval).to(device) for s in mine}
@@ -161,20 +153,16 @@ def build_pipeline(model, recipe, layout, topology, groups, *, device, layers_of
     stages = []
     for s, module in modules.items():
         if layout.data > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            module = DistributedDataParallel(module, process_group=groups.data_group,
-                                             device_ids=[device] if device.type == "cuda" else None,
-                                             gradient_as_bucket_view=True)
+            module = wrap_ddp(module, groups, device)
             # The stage all-reduces at its last backward by preparing DDP's reducer itself. Any other forward
             # with gradients on (the schedule's shape inference on its first step) must not arm the reducer,
             # or DDP records every gradient twice and fails at the next step ("rebuilt parameter indices").
             module.require_backward_grad_sync = False
         stages.append(pipelining.PipelineStage(module, s, num_stages, device, group=groups.pipeline_group))
-    engine = PipelineEngine(recipe, layout, topology, groups, container, device, container=container,
+    engine = PipelineEngine(recipe, layout, ctx.topology, groups, container, device, container=container,
                             optimizer=optimizer, scaler=build_scaler(recipe, device),
-                            tensor_sharded={id(p) for n, p in container.named_parameters() if n in sharded_names},
-                            schedule=None, stages=stages, loss_fn=loss_fn)
+                            tensor_sharded=ids_of(container, sharded_names), schedule=None, stages=stages,
+                            loss_fn=ctx.loss_for(groups.tensor_group))
     cls = getattr(pipelining, _SCHEDULES[pp_cfg.schedule])
     target = stages if pp_cfg.schedule == "interleaved_1f1b" else stages[0]
     engine.schedule = cls(target, n_microbatches=layout.grad_accum, loss_fn=engine.scaled_loss)

@@ -3,7 +3,7 @@
 DeepSpeed builds an optimizer from the ds_config's section by JIT-compiling its own ops inside
 ``deepspeed.initialize`` (FusedAdam needs nvcc, CPUAdam a C++ compiler and ninja): on a machine without them
 the job dies there. So the engine passes torch's optimizer, built from the recipe with the same parameter
-groups (:func:`plugin.optim.build_optimizer`), with ``fused=True`` on CUDA, and keeps the config's optimizer
+groups (:func:`plugin.engines.optim.build_optimizer`), with ``fused=True`` on CUDA, and keeps the config's optimizer
 section for DeepSpeed only where the recipe needs DeepSpeed's CPUAdam: optimizer offload (``cpu`` / ``nvme``)
 of an Adam on CUDA, where torch's AdamW would step the offloaded states far slower. That op is loaded first,
 outside ``initialize``; if it cannot be built, rank 0 says so in one line and ZeRO-Offload steps torch's

@@ -1,5 +1,5 @@
 """Which back end trains a recipe: pure decisions from the recipe, the launcher's environment and what is
-installed (no torch import; :func:`plugin.engine.choose_backend` feeds in the live values).
+installed (no torch import; :func:`plugin.engines.initialize.choose_backend` feeds in the live values).
 
 * ``"deepspeed"``: DeepSpeed is importable and the recipe allows it (launcher auto/deepspeed; a pipeline
   schedule DeepSpeed runs, i.e. 1F1B), and the job was not started by ``accelerate launch``.
@@ -17,11 +17,18 @@ DeepSpeed launchers all export to every process they start (accelerate 1.x, ``ut
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import Mapping, Optional
 
-from .errors import PluginError
+from ..errors import PluginError
 
 ACCELERATE_MARK = "ACCELERATE_MIXED_PRECISION"
+
+
+def importable(name: str) -> bool:
+    """Whether ``import name`` would find the package, without importing it (importing deepspeed picks its
+    accelerator, and both it and accelerate take seconds): what :func:`choose` and :func:`accelerate_mode` are told."""
+    return importlib.util.find_spec(name) is not None
 
 
 def launched_by_accelerate(environ: Mapping[str, str]) -> bool:

@@ -12,8 +12,8 @@ Before any process group exists, a weight tied across two stages is refused by n
 (:mod:`plugin.pipeline_parallel.checks`): the PipelineModule would train two copies of it apart.
 
 Optimizer: the recipe's torch.optim optimizer (fused on CUDA), except DeepSpeed's CPUAdam for an offloaded Adam
-on CUDA where that op builds (:mod:`plugin.engines.deepspeed_optimizer`). The exported ds_config is what the
-engine runs, but for the keys :data:`ENGINE_ADJUSTED_KEYS` names (the optimizer section, bucket sizes, logging).
+on CUDA where that op builds (:mod:`plugin.engines.deepspeed.optimizer`). The exported ds_config is what the
+engine runs, but for the keys :data:`.config.ENGINE_ADJUSTED_KEYS` names (the optimizer section, bucket sizes, logging).
 
 Activation checkpointing (``activation_checkpoint_interval >= 1``): the PipelineModule checkpoints its layer
 ranges with :func:`plugin.tensor_parallel.recompute.checkpoint` (torch's non-reentrant checkpoint, replaying the
@@ -33,92 +33,24 @@ from typing import Callable, Optional
 
 import torch
 
-from ..interop.deepspeed_config import to_ds_config
-from ..pipeline_parallel.checks import check_stage_cut
+from ...distributed.groups import ParallelGroups, build_groups
+from ...pipeline_parallel.checks import check_stage_cut
+from ...tensor_parallel.random import tensor_parallel_rngs
+from ...tensor_parallel.recompute import checkpoint_func
+from ..base import Engine
+from ..context import BuildContext
 from ..optim import build_optimizer, param_groups
-from ..tensor_parallel.random import tensor_parallel_rngs
-from ..tensor_parallel.recompute import checkpoint_func
-from .base import Engine
-from .deepspeed_optimizer import choose_optimizer
-from .rng_state import restore_rng_state, rng_state
-from .shm import release_shm_buffer
+from ..precision import compute_dtype
+from ..rng_state import restore_rng_state, rng_state
+from ..shm import release_shm_buffer
+from .config import engine_config
+from .optimizer import choose_optimizer
 
 _TAG = "latest_step"  # the one checkpoint a directory holds
 
 
 def _rng_file(directory: str, rank) -> str:
     return os.path.join(directory, _TAG, f"rng_rank{rank}.pt")
-
-
-def persistence_threshold(numels: list[int], dp: int, ceiling: int, budget: float = 0.01) -> int:
-    """The largest ZeRO-3 ``stage3_param_persistence_threshold`` <= ``ceiling`` whose whole-kept parameters
-    add at most ``budget`` to a rank's parameter partition.
-
-    Parameters under the threshold stay whole on every rank (no all-gather for them); each costs
-    ``numel * (1 - 1/dp)`` extra per rank, measured against the rank's share ``total / dp``.
-    """
-    total = sum(numels)
-    best, kept = 0, 0
-    for n in sorted(set(numels)):  # a threshold of n + 1 keeps every parameter of n elements or fewer
-        kept += n * numels.count(n)
-        if n + 1 > ceiling or kept * (dp - 1) > budget * total:
-            break
-        best = n + 1
-    return best
-
-
-def size_buckets(zero: dict, numels: list[int], dp: int) -> None:
-    """DeepSpeed's ZeRO bucket and persistence defaults, bounded by the model, where the recipe's raw
-    deepspeed block does not set them.
-
-    The defaults (5e8-element buckets) allocate a 2 GB fp32 bucket per rank even for a tiny model: a bucket is
-    capped at the model's size. ZeRO-3 keeps parameters under 1e5 elements whole on every rank (no all-gather
-    for them); that is kept only as far as they cost at most 1% of a rank's parameter partition
-    (:func:`persistence_threshold`), so a ZeRO-3 recipe shards what it says and the memory estimates hold.
-    For models of real size both bounds leave DeepSpeed's defaults unchanged.
-    """
-    cap = max(1, sum(numels))
-    if zero.get("stage") == 3:
-        wanted = {"reduce_bucket_size": min(5 * 10 ** 8, cap), "stage3_prefetch_bucket_size": min(5 * 10 ** 7, cap),
-                  "stage3_param_persistence_threshold": persistence_threshold(numels, dp, 10 ** 5)}
-    else:
-        wanted = {"reduce_bucket_size": min(5 * 10 ** 8, cap), "allgather_bucket_size": min(5 * 10 ** 8, cap)}
-    for key, value in wanted.items():
-        zero.setdefault(key, value)  # a value from the recipe's raw deepspeed block is already there
-
-
-# The keys engine_config changes in the exported ds_config (plugin.interop.deepspeed_config.to_ds_config), and why. The README
-# ("what the engine adds to the export") lists the same; a test compares the config a running engine
-# holds with the export key by key and allows these differences only.
-ENGINE_ADJUSTED_KEYS = {
-    "optimizer": "dropped: the engine passes torch's optimizer, built from the recipe's optimizer with the same "
-                 "hyperparameters (kept only where DeepSpeed's CPUAdam steps an offloaded Adam on CUDA)",
-    "zero_force_ds_cpu_optimizer": "false where ZeRO-Offload steps torch's optimizer (DeepSpeed refuses it otherwise)",
-    "steps_per_print": "2**31 - 1 unless the recipe's deepspeed block sets it: no DeepSpeed log line per step",
-    "zero_optimization.reduce_bucket_size": "capped at the parameters this rank holds (DeepSpeed's 5e8 default "
-                                            "allocates 2 GB even for a tiny model)",
-    "zero_optimization.allgather_bucket_size": "capped likewise (ZeRO-1/2)",
-    "zero_optimization.stage3_prefetch_bucket_size": "capped likewise (ZeRO-3)",
-    "zero_optimization.stage3_param_persistence_threshold": "lowered until parameters kept whole cost at most 1% of "
-                                                            "the rank's shard (ZeRO-3)",
-}
-
-
-def engine_config(recipe, world_size: int, *, use_ds_optimizer: bool, numels: tuple = ()) -> dict:
-    """The exported ds_config plus what this engine needs (:data:`ENGINE_ADJUSTED_KEYS`): no optimizer block
-    when a torch optimizer is passed, buckets sized to the model (:func:`size_buckets`), and quiet step logging
-    unless the recipe's deepspeed block asks for them."""
-    cfg = to_ds_config(recipe, world_size)
-    raw = recipe.deepspeed or {}
-    if cfg["zero_optimization"]["stage"] >= 1 and numels:
-        size_buckets(cfg["zero_optimization"], list(numels), recipe.layout(world_size).data)
-    if not use_ds_optimizer:
-        cfg.pop("optimizer", None)
-        if recipe.zero.offload_optimizer != "none":
-            cfg.setdefault("zero_force_ds_cpu_optimizer", False)
-    if "steps_per_print" not in raw:
-        cfg["steps_per_print"] = 2 ** 31 - 1
-    return cfg
 
 
 def count_each_gradient_once(module, tp_rank: int) -> None:
@@ -138,15 +70,12 @@ def count_each_gradient_once(module, tp_rank: int) -> None:
             p.model_parallel = True
 
 
-_MODEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # what DeepSpeed casts the module to
-
-
 class DeepSpeedEngine(Engine):
     backend = "deepspeed"
 
     def __init__(self, recipe, layout, topology, groups, ds_engine, loss_fn: Callable, device, pipelined: bool):
         super().__init__(recipe, layout, topology, groups, ds_engine.module, device)
-        self.input_dtype = _MODEL_DTYPES.get(recipe.precision)
+        self.input_dtype = compute_dtype(recipe)  # what DeepSpeed casts the module to under bf16 / fp16
         self.ds = ds_engine
         self.loss_fn = loss_fn
         self.pipelined = pipelined
@@ -221,15 +150,16 @@ class DeepSpeedEngine(Engine):
         super().close()
 
     def state_bytes(self) -> dict[str, int]:
-        from .memory import deepspeed_state_bytes
+        from ..memory import deepspeed_state_bytes
 
         return deepspeed_state_bytes(self.ds)
 
 
-def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callable, apply_tp: Callable,
-          loss_for: Callable) -> DeepSpeedEngine:
-    """Wrap ``model`` (an ``nn.Module``) per ``recipe``: ``apply_tp(model, tp_group)`` shards it,
-    ``layers_of(model)`` lists its layers for a pipeline, ``loss_for(tp_group)`` gives the loss function."""
+def build(ctx: BuildContext) -> DeepSpeedEngine:
+    """Wrap ``ctx.model`` per ``ctx.recipe``: ``ctx.apply_tp(model, tp_group)`` shards it, ``ctx.layers_of(model)``
+    lists its layers for a pipeline, ``ctx.loss_for(tp_group)`` gives the loss function."""
+    model, recipe, layout, device = ctx.model, ctx.recipe, ctx.layout, ctx.device
+    layers_of, apply_tp, loss_for = ctx.layers_of, ctx.apply_tp, ctx.loss_for
     if layout.pipeline > 1:  # before any process group: every rank refuses alike, nothing hangs
         check_stage_cut(layers_of(model), recipe.pipeline_parallel.partition, layout.pipeline,
                         "DeepSpeed's PipelineModule")
@@ -238,13 +168,10 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning)
     import deepspeed
 
-    from ..distributed.groups import ParallelGroups, build_groups
-    from ..distributed.topology import Topology
-
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
-    topology = Topology(layout.pipeline, layout.data, layout.tensor)
+    topology = ctx.topology
     choice = choose_optimizer(recipe, device)
-    if choice.note and env.is_main:
+    if choice.note and ctx.env.is_main:
         print(choice.note, file=sys.stderr, flush=True)
 
     if layout.pipeline > 1:
@@ -272,7 +199,7 @@ def build(model, recipe, layout, env, *, device: torch.device, layers_of: Callab
 
     # buckets sized to what this rank holds: its stage, its tensor shards
     numels = tuple(p.numel() for p in module.parameters())
-    config = engine_config(recipe, env.world_size, use_ds_optimizer=choice.deepspeed_op, numels=numels)
+    config = engine_config(recipe, ctx.env.world_size, use_ds_optimizer=choice.deepspeed_op, numels=numels)
     if choice.deepspeed_op:
         optimizer, params = None, param_groups(module.parameters(), recipe.optimizer.weight_decay)
     else:

@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import PluginError
+from ..errors import PluginError
 
 FIELDS = 3  # per rank: rows given, digest of the inputs, digest of the labels (and any further tensors)
 _MAX_LISTED = 3  # mismatching data replicas spelled out in the message; the rest are counted

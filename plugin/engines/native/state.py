@@ -25,8 +25,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from ..errors import PluginError
-from .rng_state import restore_rng_state, rng_state
+from ...errors import PluginError
+from ..rng_state import restore_rng_state, rng_state
 
 META = "native.json"
 

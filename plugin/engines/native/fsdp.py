@@ -1,0 +1,60 @@
+"""FSDP2 for the data-parallel group, ZeRO-2/3 style: which layers are its units, the sharding, and the reshard
+that frees what a forward gathered. Accelerate's FSDP2 plugin wraps the same units (:mod:`plugin.engines.accelerate`).
+
+ZeRO-2: ``fully_shard(reshard_after_forward=False)`` on a 1-D data mesh (``DeviceMesh.from_group``): gradients and
+optimizer states sharded, parameters gathered once per step. ZeRO-3: ``reshard_after_forward=True``: parameters
+re-gathered for backward. CPU offload (``offload_optimizer`` / ``offload_param`` "cpu"): ``CPUOffloadPolicy``.
+Under bf16 / fp16: ``MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)``, fp32 sharded parameters,
+the root's output cast back to fp32 for the loss.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ...errors import PluginError
+from ..precision import compute_dtype
+
+
+def fsdp_units(model: torch.nn.Module, layers_of: Callable) -> list[torch.nn.Module]:
+    """The layers FSDP2 shards one by one: entries of ``layers_of(model)`` that are submodules of ``model``
+    and share no parameter with another layer (tied weights stay with the root)."""
+    try:
+        layers = layers_of(model)
+    except PluginError:  # the model gives no layer list: the root alone is the unit
+        return []
+    own = {id(m) for m in model.modules() if m is not model}
+    counts: dict[int, int] = {}
+    for layer in layers:
+        for p in layer.parameters():
+            counts[id(p)] = counts.get(id(p), 0) + 1
+    return [layer for layer in layers if id(layer) in own and next(layer.parameters(), None) is not None
+            and all(counts[id(p)] == 1 for p in layer.parameters())]
+
+
+def shard_fsdp2(model, recipe, groups, device, layers_of: Callable):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = DeviceMesh.from_group(groups.data_group, device.type, mesh_dim_names=("data",))
+    z = recipe.zero
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") \
+        if "cpu" in (z.offload_optimizer, z.offload_param) else OffloadPolicy()
+    dtype = compute_dtype(recipe)
+    inner = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+    root = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32) \
+        if dtype else MixedPrecisionPolicy()
+    reshard = z.stage == 3
+    for layer in fsdp_units(model, layers_of):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=inner, offload_policy=offload)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=root, offload_policy=offload)
+
+
+def reshard_all(module: torch.nn.Module) -> None:
+    """Free the gathered parameters of every FSDP2 unit in ``module`` (each keeps its shard)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
