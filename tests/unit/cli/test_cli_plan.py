@@ -14,7 +14,7 @@ from plugin.recipe.spec import Recipe
 from plugin.recipe.load import read_recipe, shipped_recipes
 from plugin.planning.for_recipe import estimate_recipe, expected_model_states_for_recipe, setup_from_recipe
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def cli(*args, cwd=ROOT):

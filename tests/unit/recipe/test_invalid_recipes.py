@@ -10,7 +10,7 @@ import pytest
 
 from plugin.recipe.checks import validate
 
-HERE = Path(__file__).resolve().parent.parent / "data" / "invalid"
+HERE = Path(__file__).resolve().parents[2] / "data" / "invalid"
 EXPECTED = json.loads((HERE / "expected.json").read_text())
 
 

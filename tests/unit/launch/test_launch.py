@@ -10,7 +10,7 @@ from plugin.launch.hostfile import HostfileError, read_hostfile
 from plugin.launch.launcher import LaunchError, Request, build_command, main, parse, pick_launcher, processes_per_node
 from plugin.launch.machine import Machine
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CPU_ALL = Machine(gpus=0, cpus=2, has_deepspeed=True, has_accelerate=True, python="/venv/bin/python")
 CPU_NO_DS = Machine(gpus=0, cpus=2, has_deepspeed=False, has_accelerate=True, python="/venv/bin/python")
 CPU_BARE = Machine(gpus=0, cpus=2, has_deepspeed=False, has_accelerate=False, python="/venv/bin/python")

@@ -14,7 +14,7 @@ from plugin.interop.deepspeed_config import DEEPSPEED_DEFAULT_GRADIENT_CLIPPING,
 from plugin.interop.accelerate_config import to_accelerate_config
 from plugin.recipe.load import recipe_from_data, shipped_recipes
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _world(stem):
