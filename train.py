@@ -20,8 +20,8 @@ import torch
 import plugin
 from plugin.data.text import TextBatches
 from plugin.errors import PluginError, RecipeError
-from plugin.tensor_parallel.random import offset_default_stream_by_stage
 from plugin.launch.launcher import check_train_script
+from plugin.tensor_parallel.random import offset_default_stream_by_stage
 
 
 def parse_args(argv=None):

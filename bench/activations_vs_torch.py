@@ -84,6 +84,12 @@ class SwiGLU(nn.Module):
 MLP_TERMS = ("fc1_input", "gate_and_up_outputs", "silu_output", "fc2_input")
 
 
+def mlp_estimate(s: int, b: int, h: int, a: int, f: int, *, fused: bool) -> float:
+    """The estimate's bytes of a SwiGLU MLP's stored tensors (eager or fused)."""
+    terms = activation_terms_per_layer(s, b, h, a, ffn_hidden=f, mlp="swiglu", dropout=False, fused_swiglu=fused)
+    return sum(v for k, v in terms if k in MLP_TERMS)
+
+
 def swiglu_rows() -> None:
     print(f"\n{'s':>5} {'b':>2} {'h':>5} {'f':>5}  {'torch MB':>9} {'eager est MB':>12} {'fused est MB':>12} "
           f"{'torch/eager':>11}")
@@ -92,13 +98,9 @@ def swiglu_rows() -> None:
         x = torch.randn(s, b, h, dtype=torch.bfloat16, requires_grad=True)
         got = saved_bytes(SwiGLU(h, f).to(torch.bfloat16), x)
 
-        def mlp(fused: bool) -> float:
-            terms = activation_terms_per_layer(s, b, h, a, ffn_hidden=f, mlp="swiglu", dropout=False,
-                                               fused_swiglu=fused)
-            return sum(v for k, v in terms if k in MLP_TERMS)
-
-        print(f"{s:>5} {b:>2} {h:>5} {f:>5}  {got / 1e6:>9.2f} {mlp(False) / 1e6:>12.2f} {mlp(True) / 1e6:>12.2f} "
-              f"{got / mlp(False):>11.3f}")
+        eager, fused = (mlp_estimate(s, b, h, a, f, fused=k) for k in (False, True))
+        print(f"{s:>5} {b:>2} {h:>5} {f:>5}  {got / 1e6:>9.2f} {eager / 1e6:>12.2f} {fused / 1e6:>12.2f} "
+              f"{got / eager:>11.3f}")
 
 
 def main() -> None:

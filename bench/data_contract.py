@@ -1,17 +1,16 @@
 """What the data contract's check costs: cpu_tp2_dp2 step time with and without it, side by side.
 
 Every ``train_step`` of a layout with tensor or pipeline > 1 fingerprints this rank's rows and all-gathers the
-fingerprints over the world (:mod:`plugin.engines.data_contract`). Here, under torchrun with 4 CPU processes (gloo), each
-back end (native, and DeepSpeed where installed) trains cpu_tp2_dp2 on the same global batches, the check on
-and off (``engine.check_peer_rows``) in pairs of consecutive steps, each pair in a random order (the same on
-every rank), so both halves see the same machine load; each
-step is timed between barriers. The table gives the median step time of each, their ratio, and the check
-alone: the median of ``--calls`` calls of :func:`plugin.engines.data_contract.check_same_rows` on a step's share,
-each entered together (after a barrier), in ms and as a share of the step without it. "paired diff" is the
-mean over pairs of (the step with it - the step without), rank 0, +- two standard errors: on a shared 2-core machine
-the step-to-step noise (several ms) is larger than the check, so the check's own time is the figure. "barrier":
-one ``dist.barrier()`` over the world, the floor of any check after which every rank knows every replica's
-verdict (a world round-trip); the check is that round plus the fingerprint.
+fingerprints over the world (:mod:`plugin.engines.data_contract`). Here, under torchrun with 4 CPU processes (gloo),
+each back end (native, and DeepSpeed where installed) trains cpu_tp2_dp2 on the same global batches, the check on and
+off (``engine.check_peer_rows``) in pairs of consecutive steps, each pair in a random order (the same on every rank), so
+both halves see the same machine load; each step is timed between barriers. The table gives the median step time of
+each, their ratio, and the check alone: the median of ``--calls`` calls of
+:func:`plugin.engines.data_contract.check_same_rows` on a step's share, each entered together (after a barrier), in ms
+and as a share of the step without it. "paired diff" is the mean over pairs of (the step with it - the step without),
+rank 0, +- two standard errors: on a shared 2-core machine the step-to-step noise (several ms) is larger than the check,
+so the check's own time is the figure. "barrier": one ``dist.barrier()`` over the world, the floor of any check after
+which every rank knows every replica's verdict (a world round-trip); the check is that round plus the fingerprint.
 
 Usage: python bench/data_contract.py [--steps 30] [--calls 200]   (relaunches itself under torchrun)
 """
@@ -81,7 +80,7 @@ def worker(steps: int, calls: int) -> None:
             start = time.perf_counter()
             dist.barrier()  # the floor: any check after which every rank knows every replica's verdict is a round
             barriers.append(time.perf_counter() - start)
-        pairs = [a - b for a, b in zip(times[True], times[False])]  # with it minus without, pair by pair
+        pairs = [a - b for a, b in zip(times[True], times[False], strict=True)]  # with it minus without, pair by pair
         mine = {"backend": backend, "with": statistics.median(times[True]), "without": statistics.median(times[False]),
                 "diff": statistics.mean(pairs), "diff_se": statistics.stdev(pairs) / len(pairs) ** 0.5,
                 "check": statistics.median(alone), "fingerprint": statistics.median(prints),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import socket
@@ -45,8 +46,8 @@ def recipe_for(name, stage):
 def hand_config(recipe, model, sized: bool) -> dict:
     """The exported ds_config (``python -m plugin export``) with its optimizer block dropped for a torch
     optimizer; ``sized``: plus the engine's documented adjustments, written out here, not taken from it."""
-    from plugin.interop.deepspeed_config import to_ds_config
     from plugin.engines.deepspeed.config import size_buckets
+    from plugin.interop.deepspeed_config import to_ds_config
 
     config = to_ds_config(recipe)
     config.pop("optimizer")
@@ -57,15 +58,25 @@ def hand_config(recipe, model, sized: bool) -> dict:
     return config
 
 
+def hand_step(engine, loss_fn, dp_rank, lay, batch):
+    """A hand-written DeepSpeed step: this data rank's rows, micro-batch by micro-batch."""
+    from plugin.engines.batches import micro_batches, shard_rows
+
+    local = shard_rows(batch, dp_rank, lay.data)
+    for x, y in micro_batches(local, lay.grad_accum):
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+
+
 def hand_written(recipe, model, sized: bool):
     """What a user writes by hand: a config, a torch optimizer, deepspeed.initialize."""
     import deepspeed
 
     from plugin.distributed.groups import build_groups
-    from plugin.models.gpt import gpt_loss
-    from plugin.engines.optim import build_optimizer
-    from plugin.tensor_parallel import apply_tensor_parallel
     from plugin.distributed.topology import Topology
+    from plugin.engines.optim import build_optimizer
+    from plugin.models.gpt import gpt_loss
+    from plugin.tensor_parallel import apply_tensor_parallel
 
     mpu, tp_group = None, None
     if recipe.parallelism.tensor > 1:
@@ -83,7 +94,6 @@ def worker(steps: int) -> None:
 
     import plugin
     from plugin.data.text import TextBatches
-    from plugin.engines.batches import micro_batches, shard_rows
     from plugin.engines.memory import held_bytes
     from plugin.models.gpt import GPT, GPTConfig
     from plugin.planning.for_recipe import expected_model_states_for_recipe
@@ -102,15 +112,9 @@ def worker(steps: int) -> None:
                              f"export plus its documented adjustments:\n{ours.ds.config}\n{hands[0][0].config}")
         lay, data = ours.layout, TextBatches(recipe.model.vocab, recipe.model.seq_len)
 
-        def hand_step(engine, loss_fn, batch):
-            local = shard_rows(batch, ours.dp_rank, lay.data)
-            for x, y in micro_batches(local, lay.grad_accum):
-                engine.backward(loss_fn(engine(x), y))
-                engine.step()
-
         t_ours, t_same, t_default = [], [], []
-        runs = ((ours.train_step, t_ours), (lambda b: hand_step(*hands[0], b), t_same),
-                (lambda b: hand_step(*hands[1], b), t_default))
+        runs = ((ours.train_step, t_ours), (functools.partial(hand_step, *hands[0], ours.dp_rank, lay), t_same),
+                (functools.partial(hand_step, *hands[1], ours.dp_rank, lay), t_default))
         for step in range(steps + 3):
             batch = data.global_batch(step, lay.global_batch)
             turn = step % len(runs)  # rotate who goes first: no engine always runs on a cache the other warmed
@@ -153,7 +157,7 @@ def main() -> None:
         from plugin.engines.shm import release_shm_buffers_of_launch
 
         release_shm_buffers_of_launch(port)
-    lines = [l for l in out.stdout.splitlines() if l.startswith("BENCH ")]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("BENCH ")]
     if out.returncode or not lines:
         sys.exit(f"benchmark failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     rows = json.loads(lines[-1][6:])

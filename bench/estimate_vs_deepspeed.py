@@ -25,10 +25,10 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from plugin.planning.setup import Setup  # noqa: E402
 from plugin.planning.memory import memory_per_rank  # noqa: E402
 from plugin.planning.model_states import model_state_bytes  # noqa: E402
 from plugin.planning.presets import get_preset  # noqa: E402
+from plugin.planning.setup import Setup  # noqa: E402
 
 MODELS = ["llama2-7b", "gpt3-13b", "llama2-70b", "gpt3-175b"]
 GPUS = [8, 64, 512]

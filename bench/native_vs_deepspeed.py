@@ -120,7 +120,7 @@ def worker(steps: int) -> None:
         label = f"{name} ZeRO-{recipe.zero.stage}"
         rows.append({"case": label, "ms": {b: 1e3 * statistics.median(t) for b, t in times.items()},
                      "held": {b: {k: max(g[b][k] for g in gathered) for k in KINDS} for b in engines},
-                     "same_losses": all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(*losses.values()))})
+                     "same_losses": all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(*losses.values(), strict=True))})
     if dist.get_rank() == 0:
         print("BENCH " + json.dumps(rows), flush=True)
     for engine in engines.values():  # DeepSpeed's close releases its shm buffer, then tears the groups down

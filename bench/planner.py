@@ -10,6 +10,7 @@ to a bare ``python -c pass``, against its goal (3 s). Pure code: no torch is imp
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import subprocess
 import sys
@@ -19,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from plugin.planning.search import plan  # noqa: E402
 from plugin.planning.presets import get_preset, preset_names  # noqa: E402
+from plugin.planning.search import plan  # noqa: E402
 
 SEARCH_GOAL_S = 1.0  # one plan() call, any preset, 512 GPUs
 CLI_GOAL_S = 3.0  # `python -m plugin plan` end to end, interpreter start included
@@ -58,7 +59,7 @@ def main() -> None:
     worst = 0.0
     for name in preset_names():
         spec = get_preset(name)
-        seconds, result = median_seconds(lambda: plan(spec, args.gpus, args.gpu_memory, top=5), args.repeats)
+        seconds, result = median_seconds(functools.partial(plan, spec, args.gpus, args.gpu_memory, top=5), args.repeats)
         worst = max(worst, seconds)
         print(f"{name:<16}{result.considered:>12,}{result.fitting:>10,}{seconds:>10.3f}"
               f"{seconds / SEARCH_GOAL_S:>10.3f}")

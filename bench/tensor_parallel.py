@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import socket
 import statistics
@@ -150,7 +151,8 @@ def guarded(phase: str, fn, agree):
     try:
         result, reason = fn(), None
     except Exception as e:  # noqa: BLE001 - megatron-core on CPU: report the failure in its column
-        result, reason = None, f"failed in {phase}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        first = str(e).splitlines()[0][:160] if str(e) else ""
+        result, reason = None, f"failed in {phase}: {type(e).__name__}: {first}"
     if not agree(reason is None):
         return None, reason or f"failed in {phase} on another rank"
     return result, None
@@ -314,7 +316,7 @@ def worker(rank, world, port, args, results):
                 continue
             xs, dys = (x_sp, dy_sp) if name == "plugin, sequence parallel" else (x, dy)
             if name == MCORE:
-                t, reason = guarded("timing", lambda: timed(runs[MCORE], xs, dys, group), agree)
+                t, reason = guarded("timing", functools.partial(timed, runs[MCORE], xs, dys, group), agree)
                 if reason is not None:
                     failures[MCORE] = reason
                     del runs[MCORE], timings[MCORE]
@@ -372,7 +374,7 @@ def embedding_table(embedding, world) -> None:
 
 
 def paired_ratio(mine: list, theirs: list) -> float:
-    return statistics.median(a / b for a, b in zip(mine, theirs))
+    return statistics.median(a / b for a, b in zip(mine, theirs, strict=True))
 
 
 def time_table(timings, failures, args, threads, world) -> None:

@@ -6,8 +6,8 @@ instead of relaunching once per assertion.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 ERROR = "error"
 WARNING = "warning"
@@ -30,7 +30,7 @@ class Problem:
     def is_error(self) -> bool:
         return self.severity == ERROR
 
-    def with_file(self, file: str) -> "Problem":
+    def with_file(self, file: str) -> Problem:
         return Problem(self.path, self.message, self.hint, self.severity, file)
 
     def format(self) -> str:

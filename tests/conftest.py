@@ -2,8 +2,8 @@
 
 ``PLUGIN_REQUIRE=deepspeed,accelerate,transformers pytest``: every listed package must be installed, or the
 run stops at once with the reason (looked up, not imported: importing deepspeed here would pick its
-accelerator before any test sets DS_ACCELERATOR). Without it, tests that need an optional package skip where it is missing;
-with it (the README's test commands, so CI), a venv that lost a package fails instead of skipping its
+accelerator before any test sets DS_ACCELERATOR). Without it, tests that need an optional package skip where it is
+missing; with it (the README's test commands, so CI), a venv that lost a package fails instead of skipping its
 suites and staying green. :func:`tests.dist.needs.need` applies the same rule inside a module.
 """
 import importlib.util

@@ -7,9 +7,8 @@ Exit codes: 0 it fits, 3 it does not fit, 2 the recipe is invalid (or has no mod
 """
 from __future__ import annotations
 
-
-from ..planning.dims import params_text
 from ..errors import RecipeError
+from ..planning.dims import params_text
 from ..planning.units import fmt_bytes, fmt_gb, fmt_seconds
 from .common import print_json, print_problems, print_table, size
 
@@ -31,8 +30,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..recipe.load import read_recipe
     from ..planning.for_recipe import estimate_recipe
+    from ..recipe.load import read_recipe
 
     gpu_memory = args.gpu_memory
     try:

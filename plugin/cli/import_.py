@@ -21,11 +21,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..recipe.checks import check_recipe
     from ..interop.deepspeed_config import from_ds_config
-    from ..recipe.jsontext import INVALID, parse_json
+    from ..recipe.checks import check_recipe
+    from ..recipe.jsontext import INVALID, json_type, parse_json
     from ..recipe.load import recipe_from_data
-    from ..recipe.jsontext import json_type
 
     try:
         text = Path(args.ds_config).read_text(encoding="utf-8")

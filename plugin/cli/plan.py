@@ -41,7 +41,8 @@ def register(subparsers) -> None:
                    help="accelerators in all: up to one node, or whole nodes (a multiple of --gpus-per-node)")
     p.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="G",
                    help="accelerators per node (default 8); tensor groups stay inside a node")
-    p.add_argument("--gpu-memory", required=True, type=size, metavar="SIZE", help="memory of one accelerator: 80GB, 80GiB or 80")
+    p.add_argument("--gpu-memory", required=True, type=size, metavar="SIZE",
+                   help="memory of one accelerator: 80GB, 80GiB or 80")
     p.add_argument("--global-batch", type=positive_int, metavar="B",
                    help="sequences per optimizer step (default: about 4M tokens, a multiple of --gpus)")
     p.add_argument("--seq-len", type=positive_int, metavar="S", help="sequence length (default: the model's)")
@@ -53,8 +54,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..planning.search import plan
     from ..planning.presets import resolve_model
+    from ..planning.search import plan
 
     try:
         spec = resolve_model(args.model)
@@ -91,8 +92,8 @@ def run(args) -> int:
 def _write(result, path: Path):
     """Write the winner as a recipe after checking that it validates, passes the cross-field checks and that
     ``estimate`` of it agrees with the plan and fits; (path, exit code)."""
-    from ..recipe.checks import check_recipe
     from ..planning.to_recipe import to_recipe_data, written_recipe_problems
+    from ..recipe.checks import check_recipe
     from ..recipe.load import recipe_from_data
 
     data = to_recipe_data(result.plans[0], result, name=path.stem)

@@ -77,8 +77,8 @@ def _render(resolved: dict, rows: list[dict], gpus_per_node) -> None:
         if value is not None and value != "":
             summary.add_row(key, str(value))
     console.print(summary)
-    table = Table(title="rank map: rank = (pp x data_size + dp) x tensor_size + tp (tensor fastest, then data, then pipeline)",
-                  title_justify="left")
+    table = Table(title="rank map: rank = (pp x data_size + dp) x tensor_size + tp (tensor fastest, then data, then "
+                        "pipeline)", title_justify="left")
     columns = (["node", "local"] if gpus_per_node else []) + ["rank", "pipeline", "data", "tensor",
                                                               "tensor peers", "data peers", "pipeline peers"]
     for c in columns:

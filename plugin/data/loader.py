@@ -3,14 +3,15 @@
 Which rows step ``s`` of epoch ``e`` trains on is a function of (dataset length, global batch, seed, shuffle,
 e, s) alone: the epoch's order (``randperm`` from a generator seeded by ``seed`` and ``e``, or 0..n-1 unshuffled)
 is cut into global batches, and data rank ``d`` of ``D`` takes the ``d``-th contiguous ``global / D`` of each
-(:func:`plugin.engines.batches.shard_rows`'s cut). So the union of one step's rows over the data ranks is the same global
-batch in the same order whatever the layout, and a one-process run (``D = 1``) trains on exactly those rows:
+(:func:`plugin.engines.batches.shard_rows`'s cut). So the union of one step's rows over the data ranks is the same
+global batch in the same order whatever the layout, and a one-process run (``D = 1``) trains on exactly those rows:
 the losses of any layout are the losses of one process. Tensor and pipeline peers share a data rank, hence
 their rows (the data contract, :mod:`plugin.engines.data_contract`).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -57,7 +58,7 @@ class StepLoader:
     """
 
     def __init__(self, dataset, *, global_batch: int, data_rank: int, data_size: int, shuffle: bool = True,
-                 seed: int = 0, collate_fn: Optional[Callable] = None, num_workers: int = 0):
+                 seed: int = 0, collate_fn: Callable | None = None, num_workers: int = 0):
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise PluginError(f"engine.dataloader needs a map-style dataset (len(dataset) and dataset[i]); got "
                               f"{type(dataset).__name__} -> wrap the rows in a list or a torch Dataset; for a stream, "
@@ -76,7 +77,7 @@ class StepLoader:
         self.global_batch, self.data_rank, self.data_size = global_batch, data_rank, data_size
         self.shuffle, self.seed, self.rows = bool(shuffle), int(seed), rows
         self.epoch, self.step = 0, 0  # the next batch to yield: step `step` of epoch `epoch`
-        self._order: tuple[int, Optional[torch.Tensor]] = (-1, None)
+        self._order: tuple[int, torch.Tensor | None] = (-1, None)
 
     def __len__(self) -> int:
         """Steps per epoch (the incomplete last global batch dropped)."""

@@ -18,7 +18,7 @@ Groups are passed in; nothing here is global.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], *, tensor_sharded: set, tp_rank: int,
                      model_group=None, model_size: int = 1, data_group=None, data_sharded: bool = False,
-                     device: Optional[torch.device] = None) -> torch.Tensor:
+                     device: torch.device | None = None) -> torch.Tensor:
     """The global 2-norm of the gradients of ``params`` (this rank's parameters), the same on every rank.
 
     ``tensor_sharded``: ids of the parameters sharded by tensor parallelism. ``model_group`` (size

@@ -11,7 +11,6 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Optional
 
 from ..errors import Problem, RecipeError
 from ..recipe.checks import check_recipe
@@ -29,7 +28,7 @@ class LaunchEnv:
         return self.rank == 0
 
 
-def _env_int(name: str) -> Optional[int]:
+def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     if value in (None, ""):
         return None
@@ -37,7 +36,7 @@ def _env_int(name: str) -> Optional[int]:
         return int(value)
     except ValueError:
         raise RecipeError([Problem("$", f"environment variable {name}={value!r} is not a whole number",
-                                   "check how the job was launched")])
+                                   "check how the job was launched")]) from None
 
 
 def launch_env() -> LaunchEnv:

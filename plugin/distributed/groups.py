@@ -22,7 +22,7 @@ over that group, counting a replicated parameter on tensor rank 0 only and a par
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -80,7 +80,7 @@ class ParallelGroups:
         return len(self.model_ranks)
 
     @classmethod
-    def from_deepspeed_grid(cls, grid) -> "ParallelGroups":
+    def from_deepspeed_grid(cls, grid) -> ParallelGroups:
         """Wrap the groups of a DeepSpeed ``PipelineParallelGrid`` (``pipeline_module._grid``); creates none.
 
         The grid must use the plugin's rank order (``PipeModelDataParallelTopology`` or
@@ -171,7 +171,7 @@ class ParallelGroups:
         return self.model_group
 
 
-def build_groups(topology: Topology, backend: Optional[str] = None) -> ParallelGroups:
+def build_groups(topology: Topology, backend: str | None = None) -> ParallelGroups:
     """Create every tensor, data, pipeline and model group of ``topology``; return this rank's.
 
     A collective: every rank of the default group must call it with the same topology. ``backend``

@@ -49,7 +49,7 @@ class Topology:
                 raise ValueError(f"Topology.{name} must be an int >= 1, got {value!r}")
 
     @classmethod
-    def from_recipe(cls, recipe, world_size: int | None = None) -> "Topology":
+    def from_recipe(cls, recipe, world_size: int | None = None) -> Topology:
         """The grid of a recipe; ``"data": "auto"`` needs ``world_size`` to be resolved."""
         layout = recipe.layout(world_size)
         return cls(pp_size=layout.pipeline, dp_size=layout.data, tp_size=layout.tensor)

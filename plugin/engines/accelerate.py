@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -42,6 +42,7 @@ from .deepspeed.config import engine_config
 from .native.fsdp import fsdp_units
 from .optim import build_optimizer
 from .precision import loss_scaler_kwargs
+
 
 class _Progress:
     """The step counter and client_state, saved and loaded by ``save_state``/``load_state``."""
@@ -94,7 +95,7 @@ class AccelerateEngine(Engine):
         losses = [self.loss_fn(self.model(x), y).detach().float() for x, y in self.micro_batches(batch)]
         return self.mean_over_data(torch.stack(losses).mean())
 
-    def save(self, directory: str, client_state: Optional[dict] = None) -> None:
+    def save(self, directory: str, client_state: dict | None = None) -> None:
         self.progress.step, self.progress.client_state = self.step_count, dict(client_state or {})
         self.accelerator.save_state(directory, safe_serialization=False)
 

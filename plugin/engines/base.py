@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ class Engine(abc.ABC):
     check_peer_rows: bool = True
     # The dtype floating inputs must have on entering the module: None keeps them as given (fp32, or autocast
     # in the back end); a back end that casts the model itself to bf16/fp16 (DeepSpeed) sets it.
-    input_dtype: Optional[torch.dtype] = None
+    input_dtype: torch.dtype | None = None
 
     def __init__(self, recipe, layout, topology, groups, module: torch.nn.Module, device: torch.device):
         self.recipe = recipe
@@ -51,7 +52,7 @@ class Engine(abc.ABC):
         """The global batch's mean loss without updating anything."""
 
     @abc.abstractmethod
-    def save(self, directory: str, client_state: Optional[dict] = None) -> None:
+    def save(self, directory: str, client_state: dict | None = None) -> None:
         """Write a checkpoint every rank can resume from (all ranks must call it)."""
 
     @abc.abstractmethod
@@ -88,7 +89,7 @@ class Engine(abc.ABC):
         """The number of data-parallel replicas (the recipe's data degree), not the number of processes."""
         return self.layout.data
 
-    def dataloader(self, dataset, *, shuffle: bool = True, seed: int = 0, collate_fn: Optional[Callable] = None,
+    def dataloader(self, dataset, *, shuffle: bool = True, seed: int = 0, collate_fn: Callable | None = None,
                    num_workers: int = 0):
         """This data rank's rows of ``dataset`` for each step: a :class:`plugin.data.loader.StepLoader`.
 
@@ -120,7 +121,7 @@ class Engine(abc.ABC):
             inputs = inputs.to(self.input_dtype)
         return inputs
 
-    def local_batch(self, batch, call: Optional[str] = None):
+    def local_batch(self, batch, call: str | None = None):
         """This data rank's share of ``batch`` (given whole, or already split), on the engine's device, its
         inputs as the module takes them (:meth:`to_inputs`); labels keep their dtype.
 
@@ -146,7 +147,7 @@ class Engine(abc.ABC):
             raise ValueError(wrong)
         return (self.to_inputs(inputs), *rest)
 
-    def micro_batches(self, batch, call: Optional[str] = None) -> list:
+    def micro_batches(self, batch, call: str | None = None) -> list:
         return micro_batches(self.local_batch(batch, call), self.layout.grad_accum)
 
     def mean_over_data(self, value: torch.Tensor) -> float:

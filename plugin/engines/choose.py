@@ -18,7 +18,7 @@ DeepSpeed launchers all export to every process they start (accelerate 1.x, ``ut
 from __future__ import annotations
 
 import importlib.util
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 from ..errors import PluginError
 
@@ -35,7 +35,7 @@ def launched_by_accelerate(environ: Mapping[str, str]) -> bool:
     return ACCELERATE_MARK in environ
 
 
-def accelerate_mode(recipe, *, cuda: bool, has_deepspeed: bool, has_transformers: bool) -> tuple[Optional[str], str]:
+def accelerate_mode(recipe, *, cuda: bool, has_deepspeed: bool, has_transformers: bool) -> tuple[str | None, str]:
     """(``"ddp"`` | ``"deepspeed"`` | ``"fsdp"`` | None, why): how ``Accelerator`` carries the recipe, or None
     with the reason the native back end must (under the same ``accelerate launch``).
 

@@ -6,8 +6,9 @@ differ only in what they do with it, never in what they are told.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..distributed.topology import Topology
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -90,7 +90,7 @@ def _who(topology, rank: int, with_data_rank: bool = False) -> str:
 
 
 def mismatch_message(values: Sequence[Sequence[int]], topology, *, call: str, global_rows: int,
-                     local_rows: int) -> Optional[str]:
+                     local_rows: int) -> str | None:
     """The refusal every rank raises, or None when every model replica's ranks were given the same rows.
 
     ``values[r]`` is rank ``r``'s :func:`fingerprint` as ints. Pure (no torch, no collective): each rank reaches

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional, Union
 
 from ..distributed.env import check_launch, ensure_single_process_env, launch_env
 from ..errors import PluginError, Problem, RecipeError
@@ -22,7 +22,7 @@ from .context import BuildContext
 from .model_checks import check_model
 
 
-def choose_backend(recipe: Recipe, device_type: Optional[str] = None) -> str:
+def choose_backend(recipe: Recipe, device_type: str | None = None) -> str:
     """"deepspeed", "accelerate" or "native" for ``recipe`` in this process (:func:`plugin.engines.choose.choose`)."""
     if device_type is None:
         import torch
@@ -83,8 +83,8 @@ def _fail(problems: list[Problem], env) -> None:
     raise RecipeError(problems)
 
 
-def initialize(model, recipe: Union[Recipe, str, Path], *, loss_fn: Optional[Callable] = None,
-               world_size: Optional[int] = None, backend: Optional[str] = None):
+def initialize(model, recipe: Recipe | str | Path, *, loss_fn: Callable | None = None,
+               world_size: int | None = None, backend: str | None = None):
     """Shard ``model`` per ``recipe`` and wrap it in the chosen back end's :class:`~plugin.engines.base.Engine`.
 
     ``model``: an ``nn.Module`` built whole, with the same seed, on every rank (the plugin shards it); for

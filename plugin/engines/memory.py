@@ -13,7 +13,7 @@ Used by ``bench/engine.py`` and the estimate cross-check; it imports torch, so i
 """
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -6,7 +6,7 @@ same groups, so their updates are the same arithmetic.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

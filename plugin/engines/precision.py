@@ -11,8 +11,6 @@ DeepSpeed's ``hysteresis`` and ``min_loss_scale`` have no torch equivalent: torc
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..interop.precision import PRECISIONS
@@ -20,7 +18,7 @@ from ..interop.precision import PRECISIONS
 NEVER = 2 ** 31 - 1  # a growth interval no run reaches: a static scale
 
 
-def compute_dtype(recipe) -> Optional[torch.dtype]:
+def compute_dtype(recipe) -> torch.dtype | None:
     """``torch.bfloat16`` / ``torch.float16`` for bf16 / fp16, None for fp32 (nothing to cast, no autocast)."""
     name = PRECISIONS[recipe.precision].torch_dtype
     return getattr(torch, name) if name else None

@@ -28,5 +28,5 @@ def restore_rng_state(module: torch.nn.Module, state: dict, source: str) -> None
     torch.set_rng_state(state["torch_rng"])
     if "cuda_rng" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
-    for rng, states in zip(rngs, saved):
+    for rng, states in zip(rngs, saved, strict=True):
         rng.load_state_dict(states)

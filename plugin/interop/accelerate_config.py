@@ -5,7 +5,8 @@ plugin does not need otherwise.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from .precision import PRECISIONS
 
@@ -31,7 +32,7 @@ def _yaml(data: Mapping, indent: int = 0) -> list[str]:
     return lines
 
 
-def to_accelerate_config(recipe, world_size: Optional[int] = None, *, cpu: bool = False,
+def to_accelerate_config(recipe, world_size: int | None = None, *, cpu: bool = False,
                          deepspeed: bool = True) -> str:
     """An ``accelerate launch --config_file`` YAML for ``recipe``.
 

@@ -1,16 +1,17 @@
 """Recipe <-> DeepSpeed config. Pure: no deepspeed import.
 
 :func:`to_ds_config` writes every key a recipe decides (the batch triple, zero_optimization, bf16/fp16,
-gradient_clipping, optimizer, pipeline) and then merges the recipe's raw ``deepspeed`` block, which may
-add keys but never contradict the recipe, defaults included (:func:`plugin.recipe.deepspeed_block.check_deepspeed_block` reports that
+gradient_clipping, optimizer, pipeline) and then merges the recipe's raw ``deepspeed`` block, which may add keys but
+never contradict the recipe, defaults included (:func:`plugin.recipe.deepspeed_block.check_deepspeed_block` reports that
 as an error; :mod:`plugin.recipe.deepspeed_block` says which keys the recipe owns). :func:`from_ds_config` is the
-inverse: keys with no recipe meaning go under ``deepspeed``, so that ``to_ds_config(from_ds_config(c))``
-gives back an equivalent config (the same keys and values, up to how DeepSpeed reads an optimizer type).
+inverse: keys with no recipe meaning go under ``deepspeed``, so that ``to_ds_config(from_ds_config(c))`` gives back an
+equivalent config (the same keys and values, up to how DeepSpeed reads an optimizer type).
 """
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from ..recipe.deepspeed_block import ACTIVATION_PARTITION_KEYS, activations_split_over_tensor, ds_optimizer
 from ..recipe.spec import thaw
@@ -18,7 +19,7 @@ from ..recipe.spec import thaw
 # deepspeed.runtime.constants.GRADIENT_CLIPPING_DEFAULT (tests pin it against the installed DeepSpeed).
 DEEPSPEED_DEFAULT_GRADIENT_CLIPPING = 1.0
 
-def _offload(device: str, nvme_path: Optional[str]) -> dict:
+def _offload(device: str, nvme_path: str | None) -> dict:
     out = {"device": device, "pin_memory": True}
     if device == "nvme":
         out["nvme_path"] = nvme_path
@@ -57,7 +58,8 @@ def recipe_ds_config(recipe, layout) -> dict:
         if activations_split_over_tensor(recipe):
             cfg["pipeline"].update({key: False for key in ACTIVATION_PARTITION_KEYS})
         if pp.activation_checkpoint_interval > 0:
-            cfg["pipeline"]["use_reentrant"] = False  # DeepSpeed's reentrant default fails on token ids (recipe/deepspeed_block.py)
+            # DeepSpeed's reentrant default fails on token ids (recipe/deepspeed_block.py says how)
+            cfg["pipeline"]["use_reentrant"] = False
     return cfg
 
 
@@ -72,7 +74,7 @@ def merge(base: dict, extra: Mapping) -> dict:
     return out
 
 
-def to_ds_config(recipe, world_size: Optional[int] = None) -> dict:
+def to_ds_config(recipe, world_size: int | None = None) -> dict:
     """The complete ds_config for ``recipe`` at ``world_size``; DeepSpeed accepts it verbatim."""
     layout = recipe.layout(world_size)
     return merge(recipe_ds_config(recipe, layout), recipe.deepspeed or {})
@@ -95,7 +97,7 @@ def _given(v) -> bool:
     return v is not None and v != "auto"
 
 
-def from_ds_config(cfg: Mapping, world_size: Optional[int] = None, name: str = "imported") -> dict:
+def from_ds_config(cfg: Mapping, world_size: int | None = None, name: str = "imported") -> dict:
     """A recipe (as JSON data) from a DeepSpeed config. Keys with no recipe meaning go under ``deepspeed``.
 
     The data degree is ``world_size / pipeline`` when ``world_size`` is given, else derived from a complete
@@ -174,8 +176,8 @@ def from_ds_config(cfg: Mapping, world_size: Optional[int] = None, name: str = "
 
 def _import_optimizer(rest: dict, recipe: dict) -> None:
     """Move an Adam / AdamW / SGD section of ``rest`` into ``recipe["optimizer"]``, as DeepSpeed reads it
-    (:func:`plugin.recipe.deepspeed_block.optimizer_meaning`, DeepSpeed's defaults filled in). Params with no recipe field
-    (``torch_adam``, ``nesterov``...) stay under ``deepspeed.optimizer.params``; an optimizer the recipe cannot
+    (:func:`plugin.recipe.deepspeed_block.optimizer_meaning`, DeepSpeed's defaults filled in). Params with no recipe
+    field (``torch_adam``, ``nesterov``...) stay under ``deepspeed.optimizer.params``; an optimizer the recipe cannot
     say stays raw, where the checks report it. ``"auto"`` values (Hugging Face) take DeepSpeed's defaults."""
     from ..recipe.deepspeed_block import optimizer_meaning
 

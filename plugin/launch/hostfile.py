@@ -28,7 +28,7 @@ def read_hostfile(path: str) -> dict[str, int]:
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise HostfileError(f"{path}: cannot read the hostfile ({reason}) -> give a readable DeepSpeed hostfile, "
-                             "one 'HOST slots=N' per line")
+                             "one 'HOST slots=N' per line") from None
     hosts: dict[str, int] = {}
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()

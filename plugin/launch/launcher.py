@@ -26,13 +26,12 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from ..errors import Problem
+from ..interop.precision import PRECISIONS
 from ..recipe.checks import validate
 from .hostfile import HostfileError, read_hostfile
 from .machine import Machine
-from ..interop.precision import PRECISIONS
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: plugin/launch/launcher.py -> <repo> (train.py is there)
 DEFAULT_RECIPE = "cpu_dp4"
@@ -42,11 +41,11 @@ DEFAULT_RECIPE = "cpu_dp4"
 class Request:
     recipe: str = DEFAULT_RECIPE
     launcher: str = "auto"
-    nproc: Optional[int] = None  # processes per node
+    nproc: int | None = None  # processes per node
     nodes: int = 1  # with a hostfile: unused, the file's hosts are the nodes
     node_rank: int = 0
-    master: Optional[str] = None  # ADDR:PORT
-    hostfile: Optional[str] = None  # a DeepSpeed hostfile: DeepSpeed's ssh-based launch of every host
+    master: str | None = None  # ADDR:PORT
+    hostfile: str | None = None  # a DeepSpeed hostfile: DeepSpeed's ssh-based launch of every host
     dry_run: bool = False
     train_args: list = field(default_factory=list)
 
@@ -62,7 +61,7 @@ class World:
     """The launched job: ``per_node`` processes on each of ``nodes`` nodes, ``total`` in all. ``per_node`` is
     None when each host of a hostfile runs as many as its slots (they may differ)."""
 
-    per_node: Optional[int]
+    per_node: int | None
     nodes: int
     total: int
 
@@ -75,7 +74,7 @@ def check_train_script(recipe) -> list:
                     file=str(recipe.source))]
 
 
-def plan_world(recipe, req: "Request", machine: Machine) -> World:
+def plan_world(recipe, req: Request, machine: Machine) -> World:
     """How many processes the launch starts, per node and in all.
 
     Without a hostfile: :func:`processes_per_node` on each of ``--nodes``. With one, its hosts are the nodes:
@@ -150,7 +149,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _split_master(master: Optional[str]) -> tuple[str, int]:
+def _split_master(master: str | None) -> tuple[str, int]:
     if not master:
         return "127.0.0.1", _free_port()
     addr, _, port = master.rpartition(":")
@@ -170,7 +169,7 @@ def no_ssh_hostfile(nodes: int, slots: int) -> Path:
 
 
 def build_command(recipe_path: str, recipe, req: Request, machine: Machine,
-                  world: Optional[World] = None) -> tuple[list[str], dict]:
+                  world: World | None = None) -> tuple[list[str], dict]:
     """(argv, extra environment) of the launch; ``world`` as :func:`plan_world` gives it (computed if None)."""
     launcher = pick_launcher(recipe, req.launcher, machine)
     if req.hostfile and launcher != "deepspeed":
@@ -250,7 +249,7 @@ def parse(argv: list[str]) -> Request:
                    master=a.master, hostfile=a.hostfile, dry_run=a.dry_run, train_args=train_args)
 
 
-def main(argv: Optional[list[str]] = None, machine: Optional[Machine] = None) -> int:
+def main(argv: list[str] | None = None, machine: Machine | None = None) -> int:
     try:
         req = parse(sys.argv[1:] if argv is None else argv)
     except SystemExit as e:

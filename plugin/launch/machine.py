@@ -20,7 +20,7 @@ class Machine:
     python: str = sys.executable
 
     @classmethod
-    def detect(cls) -> "Machine":
+    def detect(cls) -> Machine:
         return cls(gpus=count_gpus(), cpus=os.cpu_count() or 1,
                    has_deepspeed=importlib.util.find_spec("deepspeed") is not None,
                    has_accelerate=importlib.util.find_spec("accelerate") is not None)

@@ -18,7 +18,7 @@ by output rows therefore hands every tensor rank whole groups (needs ``kv_heads 
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +86,7 @@ class Attention(nn.Module):
         self.proj = nn.Linear(config.heads * config.head_dim, config.hidden, bias=config.bias)
         self.rng = None  # this tensor rank's dropout stream, set by GPT.configure_tensor_parallel
 
-    def forward(self, x: torch.Tensor, out_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_bias: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # [seq, batch, groups * (q_per_kv + 2) * head_dim]: whole sequence even under SP
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, -1, self.q_per_kv + 2, self.head_dim)
@@ -109,7 +109,7 @@ class MLP(nn.Module):
         self.fc = nn.Linear(config.hidden, config.ffn_hidden_resolved, bias=config.bias)
         self.proj = nn.Linear(config.ffn_hidden_resolved, config.hidden, bias=config.bias)
 
-    def forward(self, x: torch.Tensor, out_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_bias: torch.Tensor | None = None) -> torch.Tensor:
         y = F.gelu(self.fc(x))
         return self.proj(y) if out_bias is None else self.proj(y, bias=out_bias)
 

@@ -2,13 +2,13 @@
 
 A plan is a list of module styles; the GPT adds what only it knows: attention splits by whole
 key/value groups, a column layer must feed a row layer inside each block (or both stay whole), sequence
-parallelism needs all four of a block's linears split (and the position embedding whole), and the head must be split by vocabulary so
-that ``gpt_loss(logits, targets, tp_group)`` always receives vocabulary-split logits under TP.
+parallelism needs all four of a block's linears split (and the position embedding whole), and the head must be split
+by vocabulary so that ``gpt_loss(logits, targets, tp_group)`` always receives vocabulary-split logits under TP.
 """
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 
 def _kind(style) -> str:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional
 
 from ..errors import PluginError
 
@@ -22,8 +21,8 @@ class GPTConfig:
     layers: int
     heads: int
     seq_len: int
-    kv_heads: Optional[int] = None
-    ffn_hidden: Optional[int] = None
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
     dropout: float = 0.0
     tie_embeddings: bool = False
     bias: bool = True
@@ -66,7 +65,7 @@ class GPTConfig:
         return self.heads // self.kv_heads_resolved
 
     @classmethod
-    def from_recipe_model(cls, model, **overrides) -> "GPTConfig":
+    def from_recipe_model(cls, model, **overrides) -> GPTConfig:
         """From a recipe's ``model`` block (:class:`plugin.recipe.spec.Model`); ``overrides`` set the fields a
         recipe does not carry (``tie_embeddings``, ``bias``, ``norm_eps``, ``init_std``)."""
         values = dict(vocab=model.vocab, hidden=model.hidden, layers=model.layers, heads=model.heads,

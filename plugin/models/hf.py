@@ -13,8 +13,8 @@ def build_hf_model(name: str, dims):
     """``name`` "gpt2" or "llama"; ``dims`` a recipe's :class:`plugin.recipe.spec.Model`."""
     try:
         import transformers as tf
-    except ImportError:
-        raise PluginError(f"--model {name} needs transformers -> pip install transformers (with torch pinned)")
+    except ImportError as e:
+        raise PluginError(f"--model {name} needs transformers -> pip install transformers (with torch pinned)") from e
     tf.logging.set_verbosity_error()
     if name == "gpt2":
         config = tf.GPT2Config(vocab_size=dims.vocab, n_embd=dims.hidden, n_layer=dims.layers, n_head=dims.heads,

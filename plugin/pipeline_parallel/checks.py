@@ -1,14 +1,14 @@
 """What must hold of a layer list before it is cut into pipeline stages, for every pipelined back end.
 
-The cut itself is pure arithmetic (:func:`plugin.pipeline_parallel.stages.stage_bounds`); this is its torch side: counting
-the layers' parameters for the cut, and refusing a parameter that two stages would hold. Each stage keeps
+The cut itself is pure arithmetic (:func:`plugin.pipeline_parallel.stages.stage_bounds`); this is its torch side:
+counting the layers' parameters for the cut, and refusing a parameter that two stages would hold. Each stage keeps
 its own layers on its own ranks, so a weight tied across stages (the reference GPT's ``tie_embeddings``:
 embedding and head) would become two copies trained apart, silently. Neither DeepSpeed's PipelineModule
 (given plain modules, not its TiedLayerSpec) nor torch.distributed.pipelining keeps them tied.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from torch import nn
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import PluginError
 

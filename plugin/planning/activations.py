@@ -6,14 +6,12 @@ h hidden, a heads, t tensor size.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def activation_terms_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1,
                                sequence_parallel: bool = False, recompute: str = "none",
-                               kv_heads: Optional[int] = None, ffn_hidden: Optional[int] = None,
+                               kv_heads: int | None = None, ffn_hidden: int | None = None,
                                mlp: str = "gelu", bytes_per_value: float = 2,
                                fused_attention: bool = False, dropout: bool = True,
                                fused_swiglu: bool = True) -> list[tuple[str, float]]:
@@ -79,7 +77,7 @@ def activation_terms_per_layer(seq_len: int, micro_batch: int, hidden: int, head
 
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1,
                                sequence_parallel: bool = False, recompute: str = "none",
-                               kv_heads: Optional[int] = None, ffn_hidden: Optional[int] = None,
+                               kv_heads: int | None = None, ffn_hidden: int | None = None,
                                mlp: str = "gelu", bytes_per_value: float = 2,
                                fused_attention: bool = False, dropout: bool = True,
                                fused_swiglu: bool = True) -> float:

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from ..errors import Problem
 
@@ -43,8 +44,8 @@ class ModelSpec:
     heads: int
     vocab: int
     seq_len: int
-    kv_heads: Optional[int] = None
-    ffn_hidden: Optional[int] = None
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
     mlp: str = "gelu"
     norm: str = "layernorm"
     bias: bool = True
@@ -142,14 +143,14 @@ class ModelSpec:
 
     # ------------------------------------------------------------ building
     @classmethod
-    def from_recipe_model(cls, model, name: str = "recipe") -> "ModelSpec":
+    def from_recipe_model(cls, model, name: str = "recipe") -> ModelSpec:
         """The reference GPT of a recipe's ``model`` block (GELU, LayerNorm, biases, learned positions, and an
         output layer of its own: :class:`plugin.models.gpt.GPTConfig` leaves embeddings untied by default)."""
         return cls(layers=model.layers, hidden=model.hidden, heads=model.heads, vocab=model.vocab,
                    seq_len=model.seq_len, kv_heads=model.kv_heads, ffn_hidden=model.ffn_hidden,
                    tied_embeddings=False, dropout=model.dropout, name=name)
 
-    def with_seq_len(self, seq_len: int) -> "ModelSpec":
+    def with_seq_len(self, seq_len: int) -> ModelSpec:
         return dataclasses.replace(self, seq_len=seq_len)
 
     def to_model_block(self) -> dict:
@@ -164,7 +165,7 @@ class ModelSpec:
             block["dropout"] = self.dropout
         return block
 
-    def as_recipe_model(self) -> "ModelSpec":
+    def as_recipe_model(self) -> ModelSpec:
         """The model a recipe with :meth:`to_model_block` describes: these dimensions and dropout in the
         reference GPT's architecture (what :meth:`from_recipe_model` of that block gives, name kept)."""
         return dataclasses.replace(self, **_REFERENCE_GPT)
@@ -173,7 +174,7 @@ class ModelSpec:
         """Whether a recipe's model block can describe this model exactly (it is the reference GPT)."""
         return all(getattr(self, k) == v for k, v in _REFERENCE_GPT.items())
 
-    def architecture_differences(self, other: "ModelSpec") -> list[str]:
+    def architecture_differences(self, other: ModelSpec) -> list[str]:
         """How this model's architecture differs from ``other``'s, in words (``[]``: the same)."""
         words = {"mlp": {"gelu": "a GELU MLP (2 matrices)", "swiglu": "a SwiGLU MLP (3 matrices)"},
                  "norm": {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"},
@@ -200,7 +201,7 @@ _IGNORED = ("source", "name", "description", "aliases", "paper_params")
 
 
 def spec_from_dict(data: Mapping[str, Any], name: str = "model",
-                   where: str = "$") -> tuple[Optional[ModelSpec], list[Problem]]:
+                   where: str = "$") -> tuple[ModelSpec | None, list[Problem]]:
     """A :class:`ModelSpec` from a recipe ``model`` block (plus optional architecture keys), or problems.
 
     Architecture keys left out take the reference GPT's values (an untied output layer among them), so a

@@ -9,19 +9,18 @@ Pure: no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
-from .dims import ModelSpec
 from ..errors import Problem, RecipeError
-from .traffic import CommTerm, communication_per_rank
-from .setup import Breakdown, Setup
+from .dims import ModelSpec
+from .memory import expected_model_states, host_model_states, memory_per_rank, usable_memory
 from .model_states import ModelStates
 from .schedule import bubble_fraction
-from .memory import expected_model_states, host_model_states, memory_per_rank, usable_memory
+from .setup import Breakdown, Setup
 from .steptime import HARDWARE, Hardware, StepTime, step_time
+from .traffic import CommTerm, communication_per_rank
 
 
-def recipe_world_size(recipe) -> Optional[int]:
+def recipe_world_size(recipe) -> int | None:
     """The world size a recipe means: data x tensor x pipeline, or its cluster's GPUs for ``"data": "auto"``."""
     if recipe.parallelism.data != "auto":
         return None  # the recipe fixes it
@@ -32,7 +31,7 @@ def recipe_world_size(recipe) -> Optional[int]:
     return recipe.cluster.nodes * recipe.cluster.gpus_per_node
 
 
-def setup_from_recipe(recipe, world_size: Optional[int] = None) -> Setup:
+def setup_from_recipe(recipe, world_size: int | None = None) -> Setup:
     """The :class:`Setup` of a recipe at ``world_size`` (default: the recipe's own, see :func:`recipe_world_size`)."""
     layout = recipe.layout(world_size if world_size is not None else recipe_world_size(recipe))
     interval = recipe.pipeline_parallel.activation_checkpoint_interval
@@ -56,7 +55,7 @@ def spec_from_recipe(recipe) -> ModelSpec:
     return ModelSpec.from_recipe_model(recipe.model, name=recipe.name)
 
 
-def expected_model_states_for_recipe(recipe, world_size: Optional[int] = None, stage: int = 0) -> ModelStates:
+def expected_model_states_for_recipe(recipe, world_size: int | None = None, stage: int = 0) -> ModelStates:
     """Parameters, gradients and optimizer states (bytes) one rank of ``stage`` should hold.
 
     The number to hold an engine to (issue 6, item 5): compare with the bytes its ranks allocate.
@@ -114,7 +113,7 @@ class RecipeEstimate:
         }
 
 
-def estimate_recipe(recipe, world_size: Optional[int] = None, gpu_memory: Optional[float] = None,
+def estimate_recipe(recipe, world_size: int | None = None, gpu_memory: float | None = None,
                     hardware: Hardware = HARDWARE["h100"]) -> RecipeEstimate:
     """Estimate a recipe; ``gpu_memory`` (bytes) defaults to its cluster's, else 80 GB.
 

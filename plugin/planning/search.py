@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 from .dims import ModelSpec, params_text
-from .setup import Breakdown, Setup
 from .memory import memory_per_rank, usable_memory
 from .reasons import explain
+from .setup import Breakdown, Setup
 from .steptime import HARDWARE, Hardware, StepTime, group_inside_node, step_time
 from .units import fmt_gb
 
@@ -70,9 +70,9 @@ class PlanResult:
     considered: int
     fitting: int
     notes: tuple[str, ...] = ()
-    closest: Optional[Plan] = None  # the least-memory layout, when nothing fits
+    closest: Plan | None = None  # the least-memory layout, when nothing fits
     advice: str = ""
-    requested: Optional[ModelSpec] = None  # the model asked for, when ``spec`` is its recipe model instead
+    requested: ModelSpec | None = None  # the model asked for, when ``spec`` is its recipe model instead
     assumptions: tuple[str, ...] = ()
 
     @property
@@ -127,7 +127,7 @@ class _Search:
     recompute_modes: Sequence[str]
     considered: int = 0
     fits: list = field(default_factory=list)  # (time, memory, counter, Setup, Breakdown, StepTime)
-    smallest: Optional[tuple] = None  # (memory, Setup, Breakdown) of the least-memory layout tried
+    smallest: tuple | None = None  # (memory, Setup, Breakdown) of the least-memory layout tried
 
     def run(self, cross_node: bool) -> None:
         for tp in tensor_sizes(self.spec, self.gpus):
@@ -168,7 +168,7 @@ class _Search:
 
 
 def plan(spec: ModelSpec, gpus: int, gpu_memory: float, *, gpus_per_node: int = 8,
-         global_batch: Optional[int] = None, top: int = 5, hardware: Hardware = HARDWARE["h100"],
+         global_batch: int | None = None, top: int = 5, hardware: Hardware = HARDWARE["h100"],
          precision: str = "bf16", recompute_modes: Sequence[str] = RECIPE_RECOMPUTE,
          as_recipe: bool = False) -> PlanResult:
     """Rank every valid layout of ``spec`` on ``gpus`` accelerators of ``gpu_memory`` bytes each.
@@ -269,7 +269,7 @@ def _nothing_fits(result: PlanResult, search: _Search, usable: float, reserve: f
 
 
 def _gpus_that_fit(spec: ModelSpec, gpus: int, gpus_per_node: int, usable: float, hardware: Hardware,
-                   precision: str, modes: Sequence[str]) -> Optional[int]:
+                   precision: str, modes: Sequence[str]) -> int | None:
     """The smallest gpus x 2^k (k <= 10) where some layout fits, at micro-batch 1; None if none."""
     for k in range(1, 11):
         n = gpus * 2**k

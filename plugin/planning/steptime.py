@@ -40,9 +40,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dims import ModelSpec
-from .traffic import communication_per_rank
-from .setup import Setup
 from .schedule import bubble_fraction
+from .setup import Setup
+from .traffic import communication_per_rank
 
 
 @dataclass(frozen=True)

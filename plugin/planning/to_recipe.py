@@ -80,7 +80,8 @@ def written_recipe_problems(recipe, plan_, result) -> list[str]:
     if not math.isclose(est.memory.total, plan_.memory.total, rel_tol=1e-9):
         out.append(f"estimate counts {fmt_gb(est.memory.total, 3)} per GPU, the plan {fmt_gb(plan_.memory.total, 3)}")
     if not math.isclose(est.time.total, plan_.time.total, rel_tol=1e-9):
-        out.append(f"estimate times a step at {fmt_seconds(est.time.total)}, the plan at {fmt_seconds(plan_.time.total)}")
+        out.append(f"estimate times a step at {fmt_seconds(est.time.total)}, "
+                   f"the plan at {fmt_seconds(plan_.time.total)}")
     if not est.fits:
         out.append(f"estimate says it does not fit: {fmt_gb(est.memory.total)} of {fmt_gb(est.usable)} usable")
     return out

@@ -8,19 +8,19 @@ the sizes could not be resolved) and yields :class:`~plugin.errors.Problem` s. P
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional, Union
 
 from ..errors import WARNING, Problem, RecipeError
 from .deepspeed_block import check_deepspeed_block
 from .layout import Layout, batch_problems_for_any_data, known_grad_accum, resolve_layout
-from .spec import Recipe
 from .load import read_recipe_problems
+from .spec import Recipe
 
 Problems = Iterator[Problem]
 
 
-def check_zero(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+def check_zero(recipe: Recipe, layout: Layout | None) -> Problems:
     z, pp = recipe.zero, recipe.parallelism.pipeline
     if z.stage >= 2 and pp > 1:
         yield Problem("$.zero.stage", f"ZeRO stage {z.stage} with pipeline {pp}: DeepSpeed refuses ZeRO-2/3 "
@@ -37,7 +37,7 @@ def check_zero(recipe: Recipe, layout: Optional[Layout]) -> Problems:
                       "(a directory on a local NVMe drive)")
 
 
-def check_batch_and_world(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+def check_batch_and_world(recipe: Recipe, layout: Layout | None) -> Problems:
     """The pipeline's micro-batch rules. Problems from resolving the sizes are :func:`check_recipe`'s.
 
     They need the micro-batches per step, not the data size: without a layout (``"auto"`` before the world
@@ -70,7 +70,7 @@ def check_batch_and_world(recipe: Recipe, layout: Optional[Layout]) -> Problems:
                       f"use >= {m_needed} micro-batches per step (bubble <= 0.25)", WARNING)
 
 
-def check_model_dims(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+def check_model_dims(recipe: Recipe, layout: Layout | None) -> Problems:
     m, tp, pp = recipe.model, recipe.parallelism.tensor, recipe.parallelism.pipeline
     if m is None:
         return
@@ -112,7 +112,7 @@ def check_model_dims(recipe: Recipe, layout: Optional[Layout]) -> Problems:
                       f"({[d // pp for d in range(pp, m.layers + 1, pp) if m.layers % d == 0 and d // pp >= 2]})")
 
 
-def check_tensor_parallel(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+def check_tensor_parallel(recipe: Recipe, layout: Layout | None) -> Problems:
     tp = recipe.parallelism.tensor
     if recipe.tensor_parallel.sequence_parallel and tp == 1:
         yield Problem("$.tensor_parallel.sequence_parallel", "sequence_parallel needs tensor > 1 (it splits the "
@@ -122,7 +122,7 @@ def check_tensor_parallel(recipe: Recipe, layout: Optional[Layout]) -> Problems:
                       'set "tensor" > 1, or drop the plan', WARNING)
 
 
-def check_pipeline(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+def check_pipeline(recipe: Recipe, layout: Layout | None) -> Problems:
     pp_cfg, pp = recipe.pipeline_parallel, recipe.parallelism.pipeline
     if pp_cfg.schedule == "interleaved_1f1b":
         if pp_cfg.virtual_stages < 2:
@@ -165,13 +165,13 @@ def native_back_end_problems(recipe: Recipe) -> Problems:
                       'set "stage": 2 or 3, or "launcher": "deepspeed" with deepspeed installed')
 
 
-def check_native_back_end(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+def check_native_back_end(recipe: Recipe, layout: Layout | None) -> Problems:
     """Offload limits of the native back end, when the recipe chooses it explicitly."""
     if recipe.launcher in ("accelerate", "torchrun"):
         yield from native_back_end_problems(recipe)
 
 
-def check_precision_and_optimizer(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+def check_precision_and_optimizer(recipe: Recipe, layout: Layout | None) -> Problems:
     if recipe.fp16 is not None and recipe.precision != "fp16":
         yield Problem("$.fp16", f'a loss-scale block with precision "{recipe.precision}" is ignored',
                       'set "precision": "fp16", or drop the fp16 block', WARNING)
@@ -183,7 +183,7 @@ def check_precision_and_optimizer(recipe: Recipe, layout: Optional[Layout]) -> P
                       "drop it, or use betas[0] for Adam's momentum", WARNING)
 
 
-def check_cluster(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+def check_cluster(recipe: Recipe, layout: Layout | None) -> Problems:
     c = recipe.cluster
     if c is None:
         return
@@ -210,7 +210,7 @@ def check_cluster(recipe: Recipe, layout: Optional[Layout]) -> Problems:
                       f"{fill}, or describe the cluster you run on", WARNING)
 
 
-def check_name(recipe: Recipe, layout: Optional[Layout]) -> Problems:
+def check_name(recipe: Recipe, layout: Layout | None) -> Problems:
     stem = recipe.file_stem
     if stem and stem != recipe.name:
         yield Problem("$.name", f'name "{recipe.name}" differs from the file name "{Path(recipe.source).name}"',
@@ -221,7 +221,7 @@ RULES = (check_zero, check_batch_and_world, check_model_dims, check_tensor_paral
          check_native_back_end, check_precision_and_optimizer, check_cluster, check_name, check_deepspeed_block)
 
 
-def check_recipe(recipe: Recipe, world_size: Optional[int] = None) -> list[Problem]:
+def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]:
     """Every cross-field problem of ``recipe`` at ``world_size`` (the launcher's process count, if known).
 
     Every rule runs, with or without a resolved layout: a rule that needs the data size skips only the
@@ -237,7 +237,7 @@ def check_recipe(recipe: Recipe, world_size: Optional[int] = None) -> list[Probl
     return [p.with_file(recipe.source) for p in problems]
 
 
-def validate(ref: Union[str, Path], world_size: Optional[int] = None) -> tuple[Optional[Recipe], list[Problem]]:
+def validate(ref: str | Path, world_size: int | None = None) -> tuple[Recipe | None, list[Problem]]:
     """Read, schema-check and cross-check a recipe: ``(recipe or None, every problem)``.
 
     The recipe is ``None`` when any error was found; warnings come with a recipe.
@@ -249,7 +249,7 @@ def validate(ref: Union[str, Path], world_size: Optional[int] = None) -> tuple[O
     return (None if any(p.is_error for p in problems) else recipe), problems
 
 
-def load_recipe(ref: Union[str, Path], world_size: Optional[int] = None) -> Recipe:
+def load_recipe(ref: str | Path, world_size: int | None = None) -> Recipe:
     """A valid recipe, or :class:`RecipeError` listing every error (warnings are dropped; see :func:`validate`)."""
     recipe, problems = validate(ref, world_size)
     if recipe is None:

@@ -5,8 +5,8 @@ The recipe owns the batch triple, ``gradient_clipping``, ``zero_optimization.sta
 devices, the pipeline's stages / partition / checkpoint interval, fp16 / bf16 ``enabled`` and the loss-scale
 keys, and the optimizer; with activation checkpointing in a pipeline, ``pipeline.use_reentrant`` (false); under
 sequence parallelism in a tensor x pipeline layout, ``pipeline.pipe_partitioned`` and ``grad_partitioned``
-(false: :func:`activations_split_over_tensor`). A raw key there may only repeat what the recipe says, *including its defaults*
-(``{"pipeline": {"stages": 4}}`` under a one-stage recipe is an error, not an override); every other raw key
+(false: :func:`activations_split_over_tensor`). A raw key there may only repeat what the recipe says, *including its
+defaults* (``{"pipeline": {"stages": 4}}`` under a one-stage recipe is an error, not an override); every other raw key
 (``overlap_comm``, ``reduce_bucket_size``, a scheduler, ``torch_adam``...) is merged as given.
 
 The optimizer is compared by what DeepSpeed 0.19 builds from it (``runtime/engine.py``
@@ -17,8 +17,9 @@ optimizers and ``"SGD"`` is ``torch.optim.SGD`` (looked up by exact name). Pure:
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any
 
 from ..errors import Problem
 from .layout import known_grad_accum
@@ -51,7 +52,7 @@ _DS_OPTIMIZER = {"adamw": "AdamW", "adam": "Adam"}
 
 
 def ds_optimizer(opt) -> dict:
-    """The recipe's optimizer as a DeepSpeed optimizer section that builds exactly it (see :mod:`plugin.recipe.deepspeed_block`)."""
+    """The recipe's optimizer as a DeepSpeed optimizer section that builds exactly it (see the module docstring)."""
     if opt.name == "sgd":
         return {"type": "SGD", "params": {"lr": opt.lr, "momentum": opt.momentum, "weight_decay": opt.weight_decay}}
     params = {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay}
@@ -82,7 +83,7 @@ def same(a, b) -> bool:
     if _num(a) and _num(b):
         return float(a) == float(b)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return type(a) is type(b) and a == b
 
 
@@ -93,7 +94,7 @@ def shown(v) -> str:
         return repr(v)
 
 
-def optimizer_meaning(section: Mapping) -> tuple[Optional[dict], list[str]]:
+def optimizer_meaning(section: Mapping) -> tuple[dict | None, list[str]]:
     """What DeepSpeed builds from an optimizer section, as the recipe's optimizer fields with DeepSpeed's
     defaults filled in, plus the params it would pass that this optimizer does not take (``momentum`` to an
     Adam, ``betas`` to SGD...). ``(None, [])`` when it is no optimizer the recipe can say."""
@@ -202,7 +203,7 @@ def owned_problems(owned: Mapping, raw: Mapping, path: str) -> Iterator[Problem]
                           f"drop it here and set {_SECTION_HOME.get(key, 'the recipe')} instead")
 
 
-def optimizer_problems(recipe, ours: Optional[Mapping], raw) -> Iterator[Problem]:
+def optimizer_problems(recipe, ours: Mapping | None, raw) -> Iterator[Problem]:
     """The raw block's ``optimizer`` section, merged over the recipe's own (``ours``), must build the
     recipe's optimizer."""
     path = "$.deepspeed.optimizer"
@@ -242,7 +243,8 @@ def _listed(v):
 
 def check_deepspeed_block(recipe, layout) -> Iterator[Problem]:
     """Errors for keys of the raw ``deepspeed`` block that contradict what the recipe decides, defaults included
-    (:func:`owned_keys`, :func:`optimizer_problems`); ``layout`` may be ``None`` ("auto" before the world size is known)."""
+    (:func:`owned_keys`, :func:`optimizer_problems`); ``layout`` may be ``None`` ("auto" before the world size is
+    known)."""
     if recipe.deepspeed is None:
         return
     block = thaw(recipe.deepspeed)

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from ..errors import Problem
 
@@ -42,7 +41,7 @@ def _fitting_worlds(world_size: int, model_ranks: int) -> str:
     return " or ".join(str(n) for n in (lower, lower + model_ranks) if n >= model_ranks)
 
 
-def resolve_data(recipe, world_size: Optional[int]) -> tuple[Optional[int], list[Problem]]:
+def resolve_data(recipe, world_size: int | None) -> tuple[int | None, list[Problem]]:
     """The data-parallel degree: the recipe's number, or world_size / (tensor x pipeline) for "auto"."""
     par = recipe.parallelism
     model_ranks = par.tensor * par.pipeline
@@ -67,7 +66,7 @@ def nearest_multiple(value: int, step: int) -> int:
     return down if value - down < up - value else up
 
 
-def resolve_batch(batch, data: int) -> tuple[Optional[tuple[int, int, int]], list[Problem]]:
+def resolve_batch(batch, data: int) -> tuple[tuple[int, int, int] | None, list[Problem]]:
     """(global, micro, grad_accum) from the recipe's batch block and the data degree."""
     g, m, a = batch.global_, batch.micro, batch.grad_accum
     if g is None and m is None:
@@ -101,7 +100,7 @@ def resolve_batch(batch, data: int) -> tuple[Optional[tuple[int, int, int]], lis
     return (g, m, g // per), []
 
 
-def known_grad_accum(batch, data: Optional[int] = None) -> Optional[int]:
+def known_grad_accum(batch, data: int | None = None) -> int | None:
     """The micro-batches per step when the batch block fixes them without a resolved layout (else ``None``):
     given, or 1 when only one of global and micro is, or global / (micro x ``data``) when the recipe's own data
     size is a number and divides evenly (the launched world may still disagree with it)."""
@@ -129,7 +128,7 @@ def batch_problems_for_any_data(batch) -> list[Problem]:
                     f"set global to a multiple of {per} ({nearest_multiple(g, per)} is the nearest)")]
 
 
-def _mismatch(recipe, data: Optional[int], world_size: int) -> Problem:
+def _mismatch(recipe, data: int | None, world_size: int) -> Problem:
     """The recipe's own world differs from the launcher's: say both ways out, in numbers."""
     par = recipe.parallelism
     model_ranks = par.tensor * par.pipeline
@@ -149,7 +148,7 @@ def _mismatch(recipe, data: Optional[int], world_size: int) -> Problem:
                    f"{processes(world)}, but the launcher runs {world_size}", fix)
 
 
-def resolve_layout(recipe, world_size: Optional[int] = None) -> tuple[Optional[Layout], list[Problem]]:
+def resolve_layout(recipe, world_size: int | None = None) -> tuple[Layout | None, list[Problem]]:
     """The recipe's :class:`Layout` at ``world_size`` (or ``None`` with every problem that prevents it).
 
     ``world_size`` is the launcher's process count. Without it a numeric ``data`` fixes the world and a

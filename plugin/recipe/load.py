@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 from ..errors import Problem, RecipeError
 from .jsontext import INVALID, parse_json
@@ -21,7 +21,7 @@ def shipped_recipes() -> list[Path]:
     return sorted(recipes_dir().glob("*.json"))
 
 
-def find_recipe(ref: Union[str, Path]) -> Path:
+def find_recipe(ref: str | Path) -> Path:
     """A recipe file from a path, or from a shipped recipe's name (``tp2_dp4`` or ``tp2_dp4.json``)."""
     path = Path(ref)
     if path.is_file():
@@ -40,7 +40,7 @@ def find_recipe(ref: Union[str, Path]) -> Path:
     raise RecipeError([Problem("$", f"recipe file {str(ref)!r} does not exist", "check the path", file=str(ref))])
 
 
-def read_recipe(ref: Union[str, Path]) -> Recipe:
+def read_recipe(ref: str | Path) -> Recipe:
     """Read, parse and schema-validate a recipe; raise :class:`RecipeError` with every problem found.
 
     Cross-field rules (world size, batch triple, divisibility...) are :func:`plugin.recipe.checks.check_recipe`'s.
@@ -51,7 +51,7 @@ def read_recipe(ref: Union[str, Path]) -> Recipe:
     return recipe
 
 
-def read_recipe_problems(ref: Union[str, Path]) -> tuple[Optional[Recipe], list[Problem]]:
+def read_recipe_problems(ref: str | Path) -> tuple[Recipe | None, list[Problem]]:
     """Like :func:`read_recipe` but returns ``(recipe or None, problems)`` instead of raising."""
     try:
         path = find_recipe(ref)
@@ -65,14 +65,14 @@ def read_recipe_problems(ref: Union[str, Path]) -> tuple[Optional[Recipe], list[
     return recipe_from_text(text, file)
 
 
-def recipe_from_text(text: str, file: str = "") -> tuple[Optional[Recipe], list[Problem]]:
+def recipe_from_text(text: str, file: str = "") -> tuple[Recipe | None, list[Problem]]:
     data, problems = parse_json(text, file)
     if data is INVALID:
         return None, problems
     return recipe_from_data(data, file, problems)
 
 
-def recipe_from_data(data: Any, file: str = "", problems: Optional[list] = None) -> tuple[Optional[Recipe], list[Problem]]:
+def recipe_from_data(data: Any, file: str = "", problems: list | None = None) -> tuple[Recipe | None, list[Problem]]:
     """A dict -> (Recipe, problems) after the schema; ``None`` when the schema rejects it."""
     problems = list(problems or []) + [p.with_file(file) for p in schema_problems(data)]
     if any(p.is_error for p in problems):

@@ -9,7 +9,8 @@ import difflib
 import functools
 import json
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from ..errors import Problem
 from .jsontext import json_path, json_type, walk_json

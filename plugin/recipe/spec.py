@@ -2,8 +2,8 @@
 
 JSON keys equal the dataclass field names, except where Python forbids the name: ``"$schema"`` is
 ``Recipe.schema`` and ``batch.global`` is ``Batch.global_`` (each field's ``metadata["json"]`` says so).
-No other shape is accepted: :func:`plugin.recipe.load.read_recipe` rejects unknown keys (with a "did you mean"), wrong types
-and out-of-range values, all at once. Cross-field rules live in :mod:`plugin.recipe.checks`.
+No other shape is accepted: :func:`plugin.recipe.load.read_recipe` rejects unknown keys (with a "did you mean"),
+wrong types and out-of-range values, all at once. Cross-field rules live in :mod:`plugin.recipe.checks`.
 
 Pure: no torch, no deepspeed.
 """
@@ -13,9 +13,10 @@ import dataclasses
 import functools
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any
 
 from ..errors import RecipeError
 from .layout import Layout, resolve_layout
@@ -27,7 +28,7 @@ def _json(key: str) -> dict:
 
 @dataclass(frozen=True)
 class Parallelism:
-    data: Union[int, str] = "auto"
+    data: int | str = "auto"
     tensor: int = 1
     pipeline: int = 1
 
@@ -37,13 +38,13 @@ class Zero:
     stage: int = 0
     offload_optimizer: str = "none"
     offload_param: str = "none"
-    nvme_path: Optional[str] = None
+    nvme_path: str | None = None
 
 
 @dataclass(frozen=True)
 class TensorParallel:
     sequence_parallel: bool = False
-    plan: Union[str, Mapping[str, str]] = "auto"
+    plan: str | Mapping[str, str] = "auto"
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,9 @@ class PipelineParallel:
 
 @dataclass(frozen=True)
 class Batch:
-    global_: Optional[int] = field(default=None, metadata=_json("global"))
-    micro: Optional[int] = None
-    grad_accum: Optional[int] = None
+    global_: int | None = field(default=None, metadata=_json("global"))
+    micro: int | None = None
+    grad_accum: int | None = None
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,8 @@ class Model:
     heads: int
     vocab: int
     seq_len: int
-    kv_heads: Optional[int] = None
-    ffn_hidden: Optional[int] = None
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
     dropout: float = 0.0
 
     @property
@@ -117,19 +118,19 @@ class Recipe:
     tensor_parallel: TensorParallel = TensorParallel()
     pipeline_parallel: PipelineParallel = PipelineParallel()
     precision: str = "fp32"
-    fp16: Optional[LossScale] = None
+    fp16: LossScale | None = None
     optimizer: Optimizer = Optimizer()
     gradient_clipping: float = 1.0
-    model: Optional[Model] = None
-    cluster: Optional[Cluster] = None
+    model: Model | None = None
+    cluster: Cluster | None = None
     launcher: str = "auto"
-    deepspeed: Optional[Mapping[str, Any]] = None
-    schema: Optional[str] = field(default=None, metadata=_json("$schema"))
+    deepspeed: Mapping[str, Any] | None = None
+    schema: str | None = field(default=None, metadata=_json("$schema"))
     # Where the recipe was read from; not part of the JSON.
     source: str = field(default="", compare=False, repr=False, metadata={"json": None})
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], source: str = "") -> "Recipe":
+    def from_dict(cls, data: Mapping[str, Any], source: str = "") -> Recipe:
         """Build from a dict that already passed the schema (see :func:`read_recipe`)."""
         recipe = _build(cls, data)
         return dataclasses.replace(recipe, source=source) if source else recipe
@@ -138,7 +139,7 @@ class Recipe:
         """The JSON form: every field under its JSON key, ``None`` fields left out."""
         return _unbuild(self)
 
-    def layout(self, world_size: Optional[int] = None) -> Layout:
+    def layout(self, world_size: int | None = None) -> Layout:
         """The resolved sizes (:class:`plugin.recipe.layout.Layout`); raises :class:`RecipeError` if they do not fit."""
         layout, problems = resolve_layout(self, world_size)
         if layout is None:
@@ -156,11 +157,11 @@ class Recipe:
 
 
 # ---------------------------------------------------------------- dict <-> dataclass
-def json_key(f: dataclasses.Field) -> Optional[str]:
+def json_key(f: dataclasses.Field) -> str | None:
     return f.metadata.get("json", f.name)
 
 
-def _target_class(annotation) -> Optional[type]:
+def _target_class(annotation) -> type | None:
     """The dataclass inside ``Optional[X]`` / ``X``, if any."""
     candidates = typing.get_args(annotation) or (annotation,)
     for c in candidates:
@@ -186,7 +187,7 @@ def thaw(value):
     return value
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fields_of(cls) -> tuple:
     """(field name, JSON key, nested dataclass or None) for each JSON field of ``cls``; resolving the type
     hints is most of the cost of building a recipe, so it is done once per class."""

@@ -3,16 +3,22 @@
     from plugin.tensor_parallel import apply_tensor_parallel
     model = apply_tensor_parallel(model, "auto", groups.tensor_group, sequence_parallel=False)
 
-Modules: :mod:`.comm` (f/g and the sequence-parallel collectives), :mod:`.layers` (column, row and
-vocabulary-split linears), :mod:`.embedding` (the vocabulary-split embedding), :mod:`.fused` (the column matmul with its overlapped backward collective),
-:mod:`.cross_entropy`, :mod:`.random` (dropout streams), :mod:`.recompute` (activation checkpointing that
-replays them), :mod:`.plan`
-(``apply_tensor_parallel``), :mod:`.auto` (the "auto" plans), :mod:`.sharding` (slicing math),
-:mod:`.state` (whole tensors back from the shards).
+Modules: :mod:`.comm` (f/g and the sequence-parallel collectives), :mod:`.layers` (column, row and vocabulary-split
+linears), :mod:`.embedding` (the vocabulary-split embedding), :mod:`.fused` (the column matmul with its overlapped
+backward collective), :mod:`.cross_entropy`, :mod:`.random` (dropout streams), :mod:`.recompute` (activation
+checkpointing that replays them), :mod:`.plan` (``apply_tensor_parallel``), :mod:`.auto` (the "auto" plans),
+:mod:`.sharding` (slicing math), :mod:`.state` (whole tensors back from the shards).
 """
-from .comm import (allreduce_grads_in_backward, copy_to_tensor_region, gather_from_sequence_region,
-                   gather_from_tensor_region, reduce_from_tensor_region, reduce_scatter_to_sequence_region,
-                   scatter_to_sequence_region, scatter_to_tensor_region)
+from .comm import (
+                   allreduce_grads_in_backward,
+                   copy_to_tensor_region,
+                   gather_from_sequence_region,
+                   gather_from_tensor_region,
+                   reduce_from_tensor_region,
+                   reduce_scatter_to_sequence_region,
+                   scatter_to_sequence_region,
+                   scatter_to_tensor_region,
+)
 from .context import TensorParallelContext
 from .cross_entropy import vocab_parallel_cross_entropy
 from .errors import TensorParallelError

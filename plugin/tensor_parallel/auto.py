@@ -18,7 +18,7 @@ its fused projection is now ``3 x hidden/p`` wide. Nothing here imports transfor
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from torch import nn
 

@@ -15,7 +15,7 @@ count them by wrapping those functions.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -254,7 +254,7 @@ class _AllReduceGradsInBackward(torch.autograd.Function):
         # One all-reduce for all of them: flatten, sum over the group, cut back. A gradient autograd did
         # not produce is a zero (every rank must contribute the same sizes).
         dense = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-                 for g, (shape, dtype, device) in zip(grads, ctx.likes)]
+                 for g, (shape, dtype, device) in zip(grads, ctx.likes, strict=True)]
         out: list = [None] * len(dense)
         for dtype in dict.fromkeys(g.dtype for g in dense):  # one all-reduce per dtype (usually one)
             idx = [i for i, g in enumerate(dense) if g.dtype == dtype]

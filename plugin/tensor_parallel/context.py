@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from .random import TensorParallelRNG
 
@@ -18,4 +18,4 @@ class TensorParallelContext:
     size: int
     rank: int
     sequence_parallel: bool = False
-    rng: Optional[TensorParallelRNG] = None
+    rng: TensorParallelRNG | None = None

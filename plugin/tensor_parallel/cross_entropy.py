@@ -15,8 +15,6 @@ rows either arrive as ``-inf`` (:class:`VocabParallelLinear` writes them so) or 
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -70,7 +68,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp_group, *,
-                                 vocab_size: Optional[int] = None, ignore_index: int = -100,
+                                 vocab_size: int | None = None, ignore_index: int = -100,
                                  reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of vocabulary-sharded ``logits [..., V/p]`` against whole ``targets [...]``.
 
@@ -95,7 +93,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp
     return losses.sum() / (targets != ignore_index).sum()
 
 
-def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp_group=None, *, name: str = "loss") -> torch.Tensor:
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp_group=None, *,
+                        name: str = "loss") -> torch.Tensor:
     """Mean cross-entropy over every token of ``targets [batch, seq]`` from ``logits [batch, seq, vocab]``.
 
     ``tp_group``: the tensor group when the logits are split by vocabulary (each rank ``[batch, seq, vocab/p]``):

@@ -20,8 +20,6 @@ splits; this computes the same numbers with the cheaper reduce-scatter.)
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -62,7 +60,7 @@ class VocabParallelEmbedding(nn.Module):
     also for ``position_embeddings``).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_group, *, padding_idx: Optional[int] = None,
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_group, *, padding_idx: int | None = None,
                  sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         whole = nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx, device=device, dtype=dtype)
@@ -70,7 +68,7 @@ class VocabParallelEmbedding(nn.Module):
 
     @classmethod
     def from_embedding(cls, module: nn.Embedding, tp_group, *,
-                       sequence_parallel: bool = False) -> "VocabParallelEmbedding":
+                       sequence_parallel: bool = False) -> VocabParallelEmbedding:
         """This rank's rows of an existing ``nn.Embedding``; the module itself is left as is."""
         unsupported = [n for n in ("max_norm", "sparse", "scale_grad_by_freq") if getattr(module, n)]
         if unsupported:
@@ -105,7 +103,7 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local, self.weight, self.local_padding_idx)
         return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
-    def forward(self, ids: torch.Tensor, position_embeddings: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, position_embeddings: torch.Tensor | None = None) -> torch.Tensor:
         """``ids [batch, seq]`` (any shape in the plain form) -> the embedding, plus ``position_embeddings``
         (``[seq, hidden]``, replicated) when given."""
         if not self.sequence_parallel:

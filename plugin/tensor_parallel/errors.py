@@ -1,7 +1,7 @@
 """The error a user gets from tensor parallelism: a plan or a model that cannot be sharded as asked."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from ..errors import PluginError
 

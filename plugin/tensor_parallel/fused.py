@@ -16,8 +16,6 @@ collective works in place on it.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -60,7 +58,7 @@ class _ColumnLinear(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
-def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
+def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group,
                   sequence_parallel: bool = False) -> torch.Tensor:
     """``Y_r = X A_r^T + b_r`` with ``X`` the whole input (see the module docstring for the math)."""
     if group_size(group) == 1:

@@ -8,14 +8,14 @@ is split by vocabulary). Both are called by a back end once its groups exist.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from ..recipe.spec import thaw
 from .cross_entropy import token_cross_entropy
 from .plan import apply_tensor_parallel
 
 
-def tensor_parallel_hooks(model, recipe, loss_fn: Optional[Callable]) -> tuple[Callable, Callable]:
+def tensor_parallel_hooks(model, recipe, loss_fn: Callable | None) -> tuple[Callable, Callable]:
     tp_cfg = recipe.tensor_parallel
     plan = tp_cfg.plan if isinstance(tp_cfg.plan, str) else thaw(tp_cfg.plan)
 

@@ -25,21 +25,26 @@ weights a module already holds), so one seed on every rank gives the same functi
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import (allreduce_grads_in_backward, gather_from_tensor_region, group_rank, group_size,
-                   reduce_from_tensor_region, reduce_scatter_to_sequence_region, scatter_to_tensor_region)
+from .comm import (
+    allreduce_grads_in_backward,
+    gather_from_tensor_region,
+    group_rank,
+    group_size,
+    reduce_from_tensor_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_tensor_region,
+)
 from .embedding import VocabParallelEmbedding
 from .errors import TensorParallelError
 from .fused import column_linear
 from .sharding import mark_sharded, padded_size, shard, shard_range
 
 
-def linear_weights(module: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def linear_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(weight [out, in], bias)`` of an ``nn.Linear`` or a transformers ``Conv1D`` (stored ``[in, out]``)."""
     if isinstance(module, nn.Linear):
         return module.weight, module.bias
@@ -85,7 +90,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     @classmethod
     def from_linear(cls, module: nn.Module, tp_group, *, gather_output: bool = False,
-                    sequence_parallel: bool = False, parts: int = 1) -> "ColumnParallelLinear":
+                    sequence_parallel: bool = False, parts: int = 1) -> ColumnParallelLinear:
         """This rank's slice of an existing ``nn.Linear`` (or ``Conv1D``); the module itself is left as is."""
         weight, bias = linear_weights(module)
         layer = cls.__new__(cls)
@@ -183,7 +188,7 @@ class RowParallelLinear(_ParallelLinear):
 
     @classmethod
     def from_linear(cls, module: nn.Module, tp_group, *, input_is_parallel: bool = True,
-                    sequence_parallel: bool = False) -> "RowParallelLinear":
+                    sequence_parallel: bool = False) -> RowParallelLinear:
         """This rank's slice of an existing ``nn.Linear`` (or ``Conv1D``); the module itself is left as is."""
         weight, bias = linear_weights(module)
         layer = cls.__new__(cls)
@@ -205,7 +210,7 @@ class RowParallelLinear(_ParallelLinear):
         self.weight = mark_sharded(_param(shard(weight, 1, p, r), weight.requires_grad), 1)
         self.bias = None if bias is None else _param(bias.clone(), bias.requires_grad)
 
-    def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``bias``, if given, is used instead of ``self.bias``: an owner that already arranged for its
         gradient (the reference GPT block sums all its replicated gradients in one all-reduce) passes it.
         """

@@ -28,8 +28,8 @@ import fnmatch
 import logging
 import re
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -38,8 +38,7 @@ from . import auto
 from .comm import group_rank, group_size
 from .context import TensorParallelContext
 from .errors import TensorParallelError
-from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLinear,
-                     linear_weights)
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLinear, linear_weights
 from .random import TensorParallelRNG
 from .sharding import padded_size
 
@@ -140,7 +139,7 @@ def _layout(module: nn.Module, style: Style, tp: int):
     return f"split by rows in {style.parts} packed parts"
 
 
-def resolve_plan(model: nn.Module, plan: Union[str, Mapping[str, str]], tp_size: int, *,
+def resolve_plan(model: nn.Module, plan: str | Mapping[str, str], tp_size: int, *,
                  sequence_parallel: bool = False) -> dict[str, Style]:
     """``{module name: style}`` for every module the plan shards; raises with every problem found.
 
@@ -225,8 +224,8 @@ def _build(module: nn.Module, style: Style, tp_group, sequence_parallel: bool) -
                                            sequence_parallel=sequence_parallel)
 
 
-def apply_tensor_parallel(model: nn.Module, plan: Union[str, Mapping[str, str]], tp_group, *,
-                          sequence_parallel: bool = False, seed: Optional[int] = None,
+def apply_tensor_parallel(model: nn.Module, plan: str | Mapping[str, str], tp_group, *,
+                          sequence_parallel: bool = False, seed: int | None = None,
                           pp_rank: int = 0) -> nn.Module:
     """Shard ``model`` in place over ``tp_group`` as ``plan`` says, and return it.
 

@@ -26,7 +26,7 @@ data drawn from it must stay the same on every stage); train.py offsets it per s
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Union
+from collections.abc import Iterator
 
 import torch
 
@@ -93,7 +93,7 @@ class TensorParallelRNG:
         return generator.get_state()
 
     @contextlib.contextmanager
-    def fork(self, device: Union[torch.device, str, None] = None) -> Iterator[None]:
+    def fork(self, device: torch.device | str | None = None) -> Iterator[None]:
         """Inside the block, ``device``'s default generator is this rank's stream (CPU if not given)."""
         device = torch.device(device if device is not None else "cpu")
         if device.type != "cpu" and device.index is None:
@@ -116,7 +116,7 @@ class TensorParallelRNG:
         self._states = {key: state.clone() for key, state in states.items()}
 
 
-def sharded_region(rng: Optional[TensorParallelRNG], device=None):
+def sharded_region(rng: TensorParallelRNG | None, device=None):
     """``rng.fork(device)``, or a no-op context without tensor parallelism (``rng`` is None)."""
     return contextlib.nullcontext() if rng is None else rng.fork(device)
 

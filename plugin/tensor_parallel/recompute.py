@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch.utils.checkpoint
 
@@ -31,12 +31,12 @@ def replay_contexts(rngs: Sequence[TensorParallelRNG]):
     @contextlib.contextmanager
     def recompute():
         before = [rng.state_dict() for rng in rngs]
-        for rng, state in zip(rngs, at_forward):
+        for rng, state in zip(rngs, at_forward, strict=True):
             rng.load_state_dict(state)
         try:
             yield
         finally:
-            for rng, state in zip(rngs, before):
+            for rng, state in zip(rngs, before, strict=True):
                 rng.load_state_dict(state)
 
     return contextlib.nullcontext(), recompute()

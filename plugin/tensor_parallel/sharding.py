@@ -14,7 +14,7 @@ Sharded parameters carry Megatron's attributes (``tensor_model_parallel``, ``par
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -6,8 +6,6 @@ optimizer state of its shape) and undoes the split. Replicated parameters come b
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -27,10 +25,10 @@ def full_tensor(shard: torch.Tensor, param: torch.Tensor, tp_group) -> torch.Ten
     return unshard(pieces, param.partition_dim, parts=param.partition_stride, padding=param.partition_padding)
 
 
-def full_state_dict(model: nn.Module, tp_group, *, grads: bool = False) -> dict[str, Optional[torch.Tensor]]:
+def full_state_dict(model: nn.Module, tp_group, *, grads: bool = False) -> dict[str, torch.Tensor | None]:
     """``{parameter name: whole tensor}`` (or whole gradients with ``grads=True``; ``None`` where a
     parameter has no gradient). A collective over ``tp_group``; tied parameters appear under each name."""
-    out: dict[str, Optional[torch.Tensor]] = {}
+    out: dict[str, torch.Tensor | None] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         t = param.grad if grads else param.detach()
         if t is None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -108,7 +108,7 @@ class DeepSpeedEngine(Engine):
         losses = [self.loss_fn(self.ds(x), y).detach().float() for x, y in self.micro_batches(batch)]
         return self.mean_over_data(torch.stack(losses).mean())
 
-    def save(self, directory: str, client_state: Optional[dict] = None) -> None:
+    def save(self, directory: str, client_state: dict | None = None) -> None:
         """DeepSpeed's checkpoint (``DIR/latest_step/``, the step in its client_state) and each rank's random state
         (``DIR/latest_step/rng_rank{R}.pt``: torch's and CUDA's generators, the tensor-parallel dropout streams;
         :mod:`plugin.engines.rng_state`). DeepSpeed writes its client_state from data rank 0 only, so the

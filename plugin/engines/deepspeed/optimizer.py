@@ -12,7 +12,6 @@ optimizer instead (``zero_force_ds_cpu_optimizer`` off). Every rank takes the sa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,7 @@ class OptimizerChoice:
     note: str = ""  # one line for rank 0: DeepSpeed's op could not be built, torch's optimizer steps instead
 
 
-def cpu_adam_error(builder=None) -> Optional[str]:
+def cpu_adam_error(builder=None) -> str | None:
     """None if DeepSpeed's CPUAdam op loads (prebuilt, cached, or JIT-built now), else why not, in one line.
 
     ``builder``: a DeepSpeed op builder; by default the current accelerator's ``CPUAdamBuilder``."""

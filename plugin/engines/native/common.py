@@ -14,7 +14,7 @@ Precision (the recipe's ``precision`` and ``fp16`` block):
 from __future__ import annotations
 
 import contextlib
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from ..choose import accelerate_mode, importable, launched_by_accelerate
 from ..optim import build_optimizer, optimizer_class_and_kwargs, param_groups
 from ..precision import compute_dtype, loss_scaler_kwargs
 from . import state
+
 
 def init_process_group(device: torch.device) -> None:
     """Join the launcher's rendezvous (env://): NCCL on CUDA, gloo on CPU."""
@@ -56,7 +57,7 @@ def native_optimizer(module, recipe, groups, zero1: bool):
                                    parameters_as_bucket_view=True, **kwargs)  # one broadcast per rank, not per tensor
 
 
-def why_not_accelerate(recipe, environ: Mapping[str, str], cuda: bool) -> Optional[str]:
+def why_not_accelerate(recipe, environ: Mapping[str, str], cuda: bool) -> str | None:
     """Under ``accelerate launch``, the note that says why the native back end trains rather than Accelerate
     itself (:func:`plugin.engines.choose.accelerate_mode`'s reason); None elsewhere, or when the recipe's
     ``launcher`` field chose native."""
@@ -109,7 +110,7 @@ class NativeEngine(Engine):
         self.scaler = scaler
         self.tensor_sharded = tensor_sharded
         self.dtype = compute_dtype(recipe)
-        self.last_grad_norm: Optional[float] = None
+        self.last_grad_norm: float | None = None
 
     def autocast(self):
         """Autocast for engines that keep fp32 parameters (FSDP2 casts through its policy instead)."""
@@ -141,7 +142,7 @@ class NativeEngine(Engine):
         self.step_count += 1
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, directory: str, client_state: Optional[dict] = None) -> None:
+    def save(self, directory: str, client_state: dict | None = None) -> None:
         state.save(self, directory, client_state)
 
     def load(self, directory: str) -> dict:

@@ -26,7 +26,7 @@ over data ranks, the same float on every rank.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

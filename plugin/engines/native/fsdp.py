@@ -9,7 +9,7 @@ the root's output cast back to fp32 for the loss.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -2,15 +2,15 @@
 over the data group.
 
 * The layer list (``layers_of(model)``) is cut into ``pipeline x virtual_stages`` stages by the recipe's
-  partition method (:mod:`plugin.pipeline_parallel.stages`, DeepSpeed's cuts, counted before tensor sharding); pipeline rank
-  ``r`` holds stages ``r, r + pipeline, ...``. Each stage is a :class:`StageModule` (its layers, named by
+  partition method (:mod:`plugin.pipeline_parallel.stages`, DeepSpeed's cuts, counted before tensor sharding);
+  pipeline rank ``r`` holds stages ``r, r + pipeline, ...``. Each stage is a :class:`StageModule` (its layers, named by
   their index in the layer list) inside a ``PipelineStage`` on the pipeline group.
 * Schedules: ``"gpipe"`` -> ``ScheduleGPipe``, ``"1f1b"`` -> ``Schedule1F1B``, ``"interleaved_1f1b"`` ->
   ``ScheduleInterleaved1F1B`` (``virtual_stages`` chunks per rank), with ``n_microbatches = grad_accum``; the
   schedule divides the accumulated gradients by the micro-batch count, like DeepSpeed's loss scaling.
-* Data parallelism: each stage module is wrapped in DDP over the data group (:func:`.common.wrap_ddp`) (the stages all-reduce at their
-  last backward); ZeRO-1 adds ``ZeroRedundancyOptimizer`` over the same group. ZeRO-2/3 with pipeline > 1
-  is refused by the recipe checks (as DeepSpeed refuses it).
+* Data parallelism: each stage module is wrapped in DDP over the data group (:func:`.common.wrap_ddp`; the stages
+  all-reduce at their last backward); ZeRO-1 adds ``ZeroRedundancyOptimizer`` over the same group. ZeRO-2/3 with
+  pipeline > 1 is refused by the recipe checks (as DeepSpeed refuses it).
 * ``activation_checkpoint_interval = k``: every k consecutive layers of a stage run under
   ``torch.utils.checkpoint`` (non-reentrant), as DeepSpeed's PipelineModule checkpoints layer ranges, the
   recompute replaying the tensor-parallel dropout streams (:mod:`plugin.tensor_parallel.recompute`).
@@ -25,7 +25,7 @@ masks than the uninterrupted one. Without dropout (every parity recipe) nothing 
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

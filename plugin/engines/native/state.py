@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from ...errors import PluginError
 from ..rng_state import restore_rng_state, rng_state
@@ -45,7 +49,7 @@ def _is_zero1(optimizer) -> bool:
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
-def _rank_state(engine, client_state: Optional[dict]) -> dict:
+def _rank_state(engine, client_state: dict | None) -> dict:
     return {"step": engine.step_count, **rng_state(engine.container),
             "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
             "client_state": dict(client_state or {})}
@@ -57,7 +61,7 @@ def _meta(engine) -> dict:
             "virtual_stages": engine.virtual_stages, "zero": engine.recipe.zero.stage, "step": engine.step_count}
 
 
-def save(engine, directory: str, client_state: Optional[dict] = None) -> None:
+def save(engine, directory: str, client_state: dict | None = None) -> None:
     """Every rank calls it (collectives inside)."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)

@@ -11,10 +11,9 @@ import functools
 import json
 import re
 from pathlib import Path
-from typing import Union
 
-from ..dims import ModelSpec, spec_from_dict
 from ...errors import Problem, RecipeError
+from ..dims import ModelSpec, spec_from_dict
 
 _FILE = Path(__file__).resolve().parent / "models.json"
 
@@ -54,7 +53,7 @@ def get_preset(name: str) -> ModelSpec:
     raise RecipeError([Problem("--model", f"no model preset named {name!r} and no such file", hint)])
 
 
-def resolve_model(ref: Union[str, Path]) -> ModelSpec:
+def resolve_model(ref: str | Path) -> ModelSpec:
     """``--model``: a preset name or a JSON file (a model block, or a recipe with one)."""
     path = Path(ref)
     if not path.is_file():

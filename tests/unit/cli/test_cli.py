@@ -5,7 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[3]
 INVALID = ROOT / "tests" / "data" / "invalid"
 
@@ -35,8 +34,9 @@ def test_validate_reports_all_problems_of_all_files_and_exits_2():
     assert out.returncode == 2
     assert "ok: cpu_dp4" in out.stdout
     lines = out.stderr.splitlines()
-    assert any("zero3_with_pipeline.json: $.zero.stage: ZeRO stage 3 with pipeline 2" in l for l in lines)
-    assert any('unknown_zero_key.json: $.zero.stgae: unknown key "stgae" -> did you mean "stage"?' in l for l in lines)
+    assert any("zero3_with_pipeline.json: $.zero.stage: ZeRO stage 3 with pipeline 2" in line for line in lines)
+    assert any('unknown_zero_key.json: $.zero.stgae: unknown key "stgae" -> did you mean "stage"?' in line
+               for line in lines)
 
 
 def test_many_errors_at_once(tmp_path):
@@ -50,7 +50,7 @@ def test_many_errors_at_once(tmp_path):
     path.write_text(json.dumps(bad))
     out = cli("validate", path, "--world-size", "8")
     assert out.returncode == 2
-    paths = [l.split(": ")[1] for l in out.stderr.splitlines()]
+    paths = [line.split(": ")[1] for line in out.stderr.splitlines()]
     assert {"$.zero.stage", "$.zero.nvme_path", "$.batch.global", "$.model.heads"} <= set(paths), out.stderr
 
 
@@ -94,10 +94,10 @@ def test_show_table_groups_by_node(tmp_path):
     out = cli("show", path, "--world-size", "8")
     assert out.returncode == 0, out.stderr
     assert "rank map" in out.stdout and "tensor peers" in out.stdout
-    rows = [l for l in out.stdout.splitlines() if l.startswith("│")]
-    nodes = [l.split("│")[1].strip() for l in rows if l.split("│")[1].strip().isdigit() and "rank" not in l]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("│")]
+    nodes = [line.split("│")[1].strip() for line in rows if line.split("│")[1].strip().isdigit() and "rank" not in line]
     assert nodes[-8:] == ["0"] * 4 + ["1"] * 4
-    assert any(set(l.strip()) <= set("├┼─┤") and l.strip() for l in out.stdout.splitlines()[-6:-3]), \
+    assert any(set(line.strip()) <= set("├┼─┤") and line.strip() for line in out.stdout.splitlines()[-6:-3]), \
         "a section line separates the nodes"
     assert cli("show", "tp2_auto").returncode == 2, "auto needs a world size"
 

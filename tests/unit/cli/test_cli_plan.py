@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from plugin.planning.dims import ModelSpec
-from plugin.recipe.spec import Recipe
-from plugin.recipe.load import read_recipe, shipped_recipes
 from plugin.planning.for_recipe import estimate_recipe, expected_model_states_for_recipe, setup_from_recipe
+from plugin.recipe.load import read_recipe, shipped_recipes
+from plugin.recipe.spec import Recipe
 
 ROOT = Path(__file__).resolve().parents[3]
 

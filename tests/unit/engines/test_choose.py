@@ -2,8 +2,8 @@
 import pytest
 
 from plugin.engines.choose import ACCELERATE_MARK, accelerate_mode, choose, launched_by_accelerate
-from plugin.recipe.checks import check_recipe, load_recipe, native_back_end_problems
 from plugin.errors import PluginError
+from plugin.recipe.checks import check_recipe, load_recipe, native_back_end_problems
 from plugin.recipe.spec import Recipe
 
 ACCELERATE = {ACCELERATE_MARK: "no"}

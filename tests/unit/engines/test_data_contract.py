@@ -1,14 +1,14 @@
 """The data contract without processes: the batch fingerprint, the verdict every rank reaches from the gathered
-fingerprints (:func:`plugin.engines.data_contract.mismatch_message`), and the step loader's rows (:mod:`plugin.data.loader`).
-The collectives and the engines are in tests/dist/test_data_contract*.py."""
+fingerprints (:func:`plugin.engines.data_contract.mismatch_message`), and the step loader's rows
+(:mod:`plugin.data.loader`). The collectives and the engines are in tests/dist/test_data_contract*.py."""
 import pytest
 import torch
 
+from plugin.data.loader import StepLoader
+from plugin.distributed.topology import Topology
 from plugin.engines.batches import shard_rows
 from plugin.engines.data_contract import digest, fingerprint, mismatch_message
-from plugin.data.loader import StepLoader
 from plugin.errors import PluginError
-from plugin.distributed.topology import Topology
 
 
 def _tokens(rows=8, seq=16, seed=0):
@@ -171,7 +171,7 @@ def test_resume_mid_epoch_continues_with_the_uninterrupted_rows(num_workers):
 
 def test_a_loop_left_early_continues_where_it_stopped():
     ld = StepLoader(_rows(16), global_batch=4, data_rank=0, data_size=1, shuffle=False)
-    for batch in ld:
+    for _ in ld:
         break
     assert [_ids(b) for b in ld] == [[4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
     assert ld.state_dict()["epoch"] == 1 and ld.state_dict()["step"] == 0

@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from plugin.recipe.checks import load_recipe
 from plugin.engines.deepspeed.optimizer import choose_optimizer, cpu_adam_error
 from plugin.engines.optim import build_optimizer
+from plugin.recipe.checks import load_recipe
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 

@@ -3,10 +3,10 @@ import pytest
 import torch
 
 import plugin
-from plugin.recipe.checks import load_recipe
 from plugin.engines.initialize import choose_backend, layers_of
 from plugin.errors import PluginError, RecipeError
 from plugin.models.gpt import GPT, GPTConfig
+from plugin.recipe.checks import load_recipe
 
 
 @pytest.fixture
@@ -69,7 +69,7 @@ def test_a_list_of_layers_is_one_module_for_every_back_end():
     layers = [torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1)]
     for given in (layers, tuple(layers)):
         module = as_module(given)
-        assert isinstance(module, torch.nn.Sequential) and all(a is b for a, b in zip(module, layers))
+        assert isinstance(module, torch.nn.Sequential) and all(a is b for a, b in zip(module, layers, strict=True))
         assert module.to(torch.device("cpu")) is module  # what a back end does with it at pipeline 1
         assert layers_of(module) == layers  # and a pipeline cuts the very same layer objects
     model = torch.nn.Linear(2, 2)

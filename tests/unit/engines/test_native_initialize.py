@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import plugin
-from plugin.recipe.checks import load_recipe
 from plugin.errors import PluginError, RecipeError
+from plugin.recipe.checks import load_recipe
 
 
 def test_nvme_offload_is_refused_before_any_group(monkeypatch, capsys):
@@ -87,6 +87,7 @@ def test_accelerate_engine_without_transformers_explains_instead_of_crashing(mon
     monkeypatch.setenv("RANK", "0")
     r = load_recipe("cpu_dp4")
     with pytest.raises(PluginError, match="transformers is not installed.*-> pip install transformers"):
-        accelerate_engine.build(BuildContext(model=torch.nn.Linear(2, 2), recipe=r, layout=r.layout(4), env=launch_env(),
-                                             device=torch.device("cpu"), layers_of=None, apply_tp=None, loss_for=None))
+        accelerate_engine.build(BuildContext(model=torch.nn.Linear(2, 2), recipe=r, layout=r.layout(4),
+                                             env=launch_env(), device=torch.device("cpu"), layers_of=None,
+                                             apply_tp=None, loss_for=None))
     assert not torch.distributed.is_initialized()

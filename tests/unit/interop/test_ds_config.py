@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from plugin.recipe.checks import load_recipe
-from plugin.interop.deepspeed_config import DEEPSPEED_DEFAULT_GRADIENT_CLIPPING, from_ds_config, to_ds_config
 from plugin.interop.accelerate_config import to_accelerate_config
+from plugin.interop.deepspeed_config import DEEPSPEED_DEFAULT_GRADIENT_CLIPPING, from_ds_config, to_ds_config
+from plugin.recipe.checks import load_recipe
 from plugin.recipe.load import recipe_from_data, shipped_recipes
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -142,7 +142,8 @@ def test_sequence_parallel_pipelines_turn_deepspeeds_activation_partitioning_off
     sp = load_recipe("cpu_tp2_sp_pp2")
     assert to_ds_config(sp)["pipeline"] == {"stages": 2, "partition": "uniform", "activation_checkpoint_interval": 0,
                                             "pipe_partitioned": False, "grad_partitioned": False}
-    errors = _errors(dataclasses.replace(sp, deepspeed={"pipeline": {"pipe_partitioned": True, "grad_partitioned": True}}))
+    raw = {"pipeline": {"pipe_partitioned": True, "grad_partitioned": True}}
+    errors = _errors(dataclasses.replace(sp, deepspeed=raw))
     assert set(errors) == {"$.deepspeed.pipeline.pipe_partitioned", "$.deepspeed.pipeline.grad_partitioned"}
     text = errors["$.deepspeed.pipeline.pipe_partitioned"].format()
     assert "true" in text and "$.tensor_parallel.sequence_parallel" in text, text
@@ -204,7 +205,8 @@ REAL_WORLD_CONFIGS = [
      "optimizer": {"type": "AdamW", "params": {"lr": 2e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
      "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 2e-5, "warmup_num_steps": 100}}},
     # the DeepSpeed docs' optimizer example: "Adam" with adam_w_mode at its default True is AdamW
-    {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}},
+    {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+     "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}},
     {"train_batch_size": 16, "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "betas": [0.8, 0.999], "eps": 1e-8,
                                                                      "weight_decay": 3e-7}}},
     # classic (L2) Adam, and torch's AdamW (whose weight_decay default is 0.01) through torch_adam

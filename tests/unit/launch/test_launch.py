@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from plugin.recipe.checks import load_recipe
 from plugin.launch.hostfile import HostfileError, read_hostfile
 from plugin.launch.launcher import LaunchError, Request, build_command, main, parse, pick_launcher, processes_per_node
 from plugin.launch.machine import Machine
+from plugin.recipe.checks import load_recipe
 
 ROOT = Path(__file__).resolve().parents[3]
 CPU_ALL = Machine(gpus=0, cpus=2, has_deepspeed=True, has_accelerate=True, python="/venv/bin/python")

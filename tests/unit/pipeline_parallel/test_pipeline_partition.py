@@ -1,11 +1,19 @@
-"""Cutting layers into stages (plugin.pipeline_parallel.stages): DeepSpeed's cuts, pinned against DeepSpeed where installed."""
+"""Cutting layers into stages (plugin.pipeline_parallel.stages): DeepSpeed's cuts, pinned against DeepSpeed where
+installed."""
 import importlib.util
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plugin.pipeline_parallel.stages import PartitionError, partition_balanced, partition_uniform, stage_bounds, stages_of_rank, type_weights
+from plugin.pipeline_parallel.stages import (
+    PartitionError,
+    partition_balanced,
+    partition_uniform,
+    stage_bounds,
+    stages_of_rank,
+    type_weights,
+)
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 GPT = ["EmbeddingLayer", "Block", "Block", "Block", "Block", "HeadLayer"]
@@ -52,8 +60,8 @@ def test_same_cuts_as_deepspeed(weights, parts):
 
 def test_weights_tied_across_stages_are_named():
     """torch.distributed.pipelining would train two copies of a tied weight apart: the engine refuses it."""
-    from plugin.pipeline_parallel.checks import shared_across_stages
     from plugin.models.gpt import GPT, GPTConfig
+    from plugin.pipeline_parallel.checks import shared_across_stages
 
     tied = GPT(GPTConfig(vocab=16, hidden=8, layers=2, heads=2, seq_len=4, tie_embeddings=True)).to_layers()
     assert shared_across_stages(tied, [0, 2, 4]) == ["HeadLayer (layer 3).head.weight"]

@@ -11,14 +11,20 @@ import decimal
 
 import pytest
 
-from plugin.planning.traffic import communication_per_rank
-from plugin.planning.dims import ModelSpec
-from plugin.planning.setup import Setup
 from plugin.planning.activations import activation_bytes_per_layer, activation_terms_per_layer
-from plugin.planning.schedule import bubble_fraction, micro_batches_in_flight
-from plugin.planning.memory import expected_model_states, host_model_states, memory_per_rank, stage_memory, usable_memory
+from plugin.planning.dims import ModelSpec
+from plugin.planning.memory import (
+    expected_model_states,
+    host_model_states,
+    memory_per_rank,
+    stage_memory,
+    usable_memory,
+)
 from plugin.planning.model_states import model_state_bytes, model_state_terms, state_bytes_per_param
 from plugin.planning.presets import get_preset
+from plugin.planning.schedule import bubble_fraction, micro_batches_in_flight
+from plugin.planning.setup import Setup
+from plugin.planning.traffic import communication_per_rank
 
 GB = 1e9
 
@@ -59,7 +65,7 @@ def _printed(value: float, like: str) -> set[str]:
 @pytest.mark.parametrize("psi", sorted(TABLE_1))
 @pytest.mark.parametrize("dp", [1, 4, 16, 64, 256, 1024])
 def test_zero_table_1(psi, dp):
-    for stage, printed in zip((1, 2, 3), TABLE_1[psi][dp]):
+    for stage, printed in zip((1, 2, 3), TABLE_1[psi][dp], strict=True):
         value = model_state_bytes(psi, dp=dp, zero_stage=stage) / GB
         assert str(decimal.Decimal(printed).normalize()) in _printed(value, printed), (psi, dp, stage, value)
         assert abs(value - float(printed)) < 10 ** decimal.Decimal(printed).as_tuple().exponent

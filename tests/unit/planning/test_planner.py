@@ -6,18 +6,20 @@ import itertools
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from plugin.planning.dims import ModelSpec
-from plugin.errors import RecipeError
-from plugin.planning.setup import Setup
-from plugin.planning.schedule import bubble_fraction
-from plugin.planning.memory import memory_per_rank, usable_memory
-from plugin.planning.to_recipe import to_recipe_data, written_recipe_problems
-from plugin.planning.search import _Search, default_global_batch, divisors, plan
-from plugin.planning.presets import get_preset, preset_names, resolve_model
-from plugin.recipe.load import read_recipe, recipe_from_data
-from plugin.planning.steptime import HARDWARE, forward_flops, group_inside_node, step_time
 from plugin.distributed.topology import Topology
+from plugin.errors import RecipeError
+from plugin.planning.dims import ModelSpec
+from plugin.planning.memory import memory_per_rank, usable_memory
+from plugin.planning.presets import get_preset, preset_names, resolve_model
+from plugin.planning.schedule import bubble_fraction
+from plugin.planning.search import _Search, default_global_batch, divisors, plan
+from plugin.planning.setup import Setup
+from plugin.planning.steptime import HARDWARE, forward_flops, group_inside_node, step_time
+from plugin.planning.to_recipe import to_recipe_data, written_recipe_problems
+from plugin.recipe.load import read_recipe, recipe_from_data
 
 LLAMA7 = get_preset("llama2-7b")
 
@@ -219,7 +221,6 @@ def test_model_from_a_json_block_or_a_recipe(tmp_path):
 
 
 # ---------------------------------------------------------------- the pruning is safe
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 @settings(max_examples=200, deadline=None)
@@ -357,8 +358,8 @@ def test_the_assumptions_say_what_is_not_searched():
 def test_data_parallel_reductions_are_exposed_as_deepspeed_runs_them():
     """overlap_comm is off at ZeRO 0-2 (DeepSpeed's default, the plugin writes none): ZeRO-0 all-reduces
     after the backward, ZeRO-1 at the boundary, ZeRO-2 during every micro-batch on the compute stream."""
-    from plugin.planning.traffic import communication_per_rank
     from plugin.planning.steptime import _comm_seconds
+    from plugin.planning.traffic import communication_per_rank
 
     for zero in (0, 1, 2):
         setup = Setup(dp=8, zero_stage=zero, micro_batches=4)

@@ -2,7 +2,13 @@
 import pytest
 
 from plugin.errors import RecipeError
-from plugin.recipe.layout import batch_problems_for_any_data, known_grad_accum, nearest_multiple, resolve_batch, resolve_layout
+from plugin.recipe.layout import (
+    batch_problems_for_any_data,
+    known_grad_accum,
+    nearest_multiple,
+    resolve_batch,
+    resolve_layout,
+)
 from plugin.recipe.spec import Batch, Recipe
 
 

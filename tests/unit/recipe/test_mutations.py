@@ -8,12 +8,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from plugin.recipe.checks import check_recipe
+from plugin.distributed.topology import Topology
+from plugin.errors import RecipeError
 from plugin.interop.accelerate_config import to_accelerate_config
 from plugin.interop.deepspeed_config import to_ds_config
-from plugin.errors import RecipeError
+from plugin.recipe.checks import check_recipe
 from plugin.recipe.load import recipe_from_data, recipe_from_text, shipped_recipes
-from plugin.distributed.topology import Topology
 
 BASES = [json.loads(p.read_text()) for p in shipped_recipes()]
 

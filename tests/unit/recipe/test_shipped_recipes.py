@@ -7,9 +7,9 @@ import pytest
 
 from plugin.recipe import spec as recipe_mod
 from plugin.recipe.checks import validate
-from plugin.recipe.spec import Recipe, json_key
 from plugin.recipe.load import shipped_recipes
 from plugin.recipe.schema import load_schema
+from plugin.recipe.spec import Recipe, json_key
 
 SHIPPED = shipped_recipes()
 EIGHT_GPU = ["dp8_zero1", "dp8_zero2", "dp8_zero3", "dp8_zero3_offload", "tp2_dp4", "tp4_dp2", "tp8", "pp2_dp4",
@@ -61,7 +61,8 @@ def _walk(cls, schema, where="$"):
         assert sub.get("description"), f"{where}.{key} has no description"
         if key != "$schema":
             assert sub.get("examples"), f"{where}.{key} has no examples"
-        if "default" in sub and f.default not in (dataclasses.MISSING, None) and not dataclasses.is_dataclass(f.default):
+        plain_default = f.default not in (dataclasses.MISSING, None) and not dataclasses.is_dataclass(f.default)
+        if "default" in sub and plain_default:
             default = list(f.default) if isinstance(f.default, tuple) else f.default
             assert default == sub["default"], f"{where}.{key}: dataclass {f.default!r} != schema {sub['default']!r}"
         inner = _dataclass_of(cls, f)

@@ -104,7 +104,7 @@ def test_gpt_is_deterministic_and_its_layers_compose_to_it():
     a = GPT(config)
     torch.manual_seed(3)
     b = GPT(config)
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     tokens = torch.randint(0, 50, (3, 8))
     layers = a.to_layers()
     assert len(layers) == config.layers + 2
@@ -236,6 +236,7 @@ def test_gpt_under_sequence_parallelism_keeps_its_position_embedding_whole():
 
     model = GPT(GPTConfig(vocab=50, hidden=16, layers=1, heads=4, seq_len=8))
     plan = dict(model.tensor_parallel_plan(), pos_embed="vocab")
-    with pytest.raises(TensorParallelError, match="GPT pos_embed is 'vocab'; under sequence parallelism leave it whole"):
+    with pytest.raises(TensorParallelError,
+                       match="GPT pos_embed is 'vocab'; under sequence parallelism leave it whole"):
         resolve_plan(model, plan, 2, sequence_parallel=True)
     assert "pos_embed" in resolve_plan(model, plan, 2, sequence_parallel=False)

@@ -9,8 +9,15 @@ import torch
 from torch import nn
 
 from plugin.models import GPT, GPTConfig, gpt_loss
-from plugin.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelError,
-                                    apply_tensor_parallel, padding_report, parse_style, resolve_plan)
+from plugin.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelError,
+    apply_tensor_parallel,
+    padding_report,
+    parse_style,
+    resolve_plan,
+)
 
 
 def mlp():
@@ -44,7 +51,8 @@ def test_glob_matching_nothing_names_the_glob_and_suggests():
     text = problems_of(mlp(), {"0": "column", "3x": "row"}, 2)
     assert "'3x' matches no module of Sequential; its linear/embedding modules are named like '0', '2'" in text
     plan = dict(gpt().tensor_parallel_plan(), **{"blocks.*.atn.qkv": "column"})
-    assert "'blocks.*.atn.qkv' matches no module of GPT; did you mean 'blocks.*.attn.qkv'" in problems_of(gpt(), plan, 2)
+    assert ("'blocks.*.atn.qkv' matches no module of GPT; did you mean 'blocks.*.attn.qkv'"
+            in problems_of(gpt(), plan, 2))
 
 
 def test_style_that_does_not_fit_names_the_module():
