@@ -49,6 +49,8 @@ class TextBatches:
     def global_batch(self, step: int, rows: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
         """The batch of ``step``: a function of (seed, step, rows) only."""
         text = self._splits[split]
+        # its own generator, seeded by (seed, step, split) alone: torch's default stream (dropout, the user's own
+        # draws) is left alone, and a resumed run draws the batches the uninterrupted one did
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 2 + (split == "eval"))
         starts = torch.randint(0, len(text) - self.seq_len - 1, (rows,), generator=gen)
         window = torch.arange(self.seq_len + 1)

@@ -50,6 +50,7 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], *, tensor_sharded: se
     """
     whole, pieces = [], []
     for p in params:
+        # a replicated parameter is the same on every tensor rank: count it once, on tensor rank 0 (as DeepSpeed does)
         if p.grad is None or (tp_rank != 0 and id(p) not in tensor_sharded):
             continue
         local, is_piece = _local(p.grad.detach())

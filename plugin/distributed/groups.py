@@ -193,6 +193,7 @@ def build_groups(topology: Topology, backend: str | None = None) -> ParallelGrou
         for ranks in lists:
             key = tuple(ranks)
             if key not in made:
+                # the default group already spans the world: reuse it rather than open a second communicator
                 whole_world = key == tuple(range(world)) and backend is None
                 made[key] = dist.group.WORLD if whole_world else dist.new_group(list(key), backend=backend)
             if rank in key:

@@ -69,7 +69,7 @@ class Engine(abc.ABC):
         """
         if dist.is_initialized():
             dist.barrier()
-            time.sleep(0.1)
+            time.sleep(0.1)  # let gloo's workers drop the finished works' tensors first (see above)
             dist.destroy_process_group()
 
     # ------------------------------------------------------------------ shared helpers
@@ -133,6 +133,7 @@ class Engine(abc.ABC):
         lay = self.layout
         local_rows = lay.micro_batch * lay.grad_accum
         wrong = None
+        # At data 1 the global batch is the local share: nothing to cut, and the check below sees the same rows.
         if rows == lay.global_batch and rows != local_rows:
             batch = shard_rows(batch, self.dp_rank, lay.data)
         elif rows != local_rows:

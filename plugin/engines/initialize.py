@@ -111,7 +111,7 @@ def initialize(model, recipe: Recipe | str | Path, *, loss_fn: Callable | None =
         for p in problems:
             print(p.format(), file=sys.stderr)
     layout = recipe.layout(env.world_size)
-    ensure_single_process_env()
+    ensure_single_process_env()  # a plain `python train.py` still needs a rendezvous address for its group of one
     device = _device(env)
     backend = backend or choose_backend(recipe, device.type)
     _warn_on_launch_precision(recipe, env)

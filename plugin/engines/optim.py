@@ -13,7 +13,7 @@ import torch
 
 def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict]:
     params = [p for p in params if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
+    decay = [p for p in params if p.dim() >= 2]  # matrices, embeddings; not biases, norm gains (GPT-2)
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]

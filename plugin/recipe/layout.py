@@ -72,9 +72,9 @@ def resolve_batch(batch, data: int) -> tuple[tuple[int, int, int] | None, list[P
     if g is None and m is None:
         return None, [Problem("$.batch", f"grad_accum {a} alone does not say how many samples a step takes",
                               'add "micro" (samples per rank per micro-batch) or "global"')]
-    if m is None and a is None:
+    if m is None and a is None:  # only global given: one micro-batch per step, micro derived below
         a = 1
-    if g is None and a is None:
+    if g is None and a is None:  # only micro given: one micro-batch per step, global derived below
         a = 1
     if g is not None and m is not None and a is not None:
         if g == m * a * data:

@@ -163,6 +163,9 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
     if layout.pipeline > 1:  # before any process group: every rank refuses alike, nothing hangs
         check_stage_cut(layers_of(model), recipe.pipeline_parallel.partition, layout.pipeline,
                         "DeepSpeed's PipelineModule")
+    # DeepSpeed settles its accelerator once, on first use (get_accelerator, reached by the import below): name the
+    # device this engine runs on, so the two agree (on CPU it also spares DeepSpeed's detection warning). A value the
+    # user exported wins.
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
     # DeepSpeed 0.19 still calls torch's deprecated all_gather_into_tensor: one warning per rank, nothing to act on
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning)
@@ -195,6 +198,7 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
         loss_fn = loss_for(groups.tensor_group)
         module = apply_tp(model, groups.tensor_group) if layout.tensor > 1 else model
         module.to(device)
+        # at tensor 1 DeepSpeed's own groups are the plugin's (its data group is the world): no mpu to hand it
         mpu = groups if layout.tensor > 1 else None
 
     # buckets sized to what this rank holds: its stage, its tensor shards

@@ -124,7 +124,7 @@ class NativeEngine(Engine):
     def optimizer_step(self) -> None:
         """Unscale (fp16), clip by the global norm, step (skipped by the scaler on overflow), zero grads."""
         if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
+            self.scaler.unscale_(self.optimizer)  # first: the norm is clipped on the true gradients, not scaled ones
         params = list(self.container.parameters())
         norm = clip_by_global_norm(
             params, float(self.recipe.gradient_clipping), tensor_sharded=self.tensor_sharded,

@@ -39,13 +39,17 @@ def shard_fsdp2(model, recipe, groups, device, layers_of: Callable):
 
     mesh = DeviceMesh.from_group(groups.data_group, device.type, mesh_dim_names=("data",))
     z = recipe.zero
+    # Pinned host memory only speeds up copies to and from a CUDA device; on CPU it would be locked for nothing.
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") \
         if "cpu" in (z.offload_optimizer, z.offload_param) else OffloadPolicy()
     dtype = compute_dtype(recipe)
+    # Gradients are reduced in fp32 whatever the compute dtype, as DeepSpeed's bf16/fp16 reduce into fp32 masters:
+    # a 16-bit sum over many data ranks would round away what one process keeps.
     inner = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+    # The root alone casts its output back to fp32, so the loss is computed in fp32 as on the other back ends.
     root = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32) \
         if dtype else MixedPrecisionPolicy()
-    reshard = z.stage == 3
+    reshard = z.stage == 3  # ZeRO-3 frees gathered parameters after forward (re-gathers for backward); ZeRO-2 keeps
     for layer in fsdp_units(model, layers_of):
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=inner, offload_policy=offload)
     return fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=root, offload_policy=offload)
