@@ -196,3 +196,42 @@ def test_every_public_name_resolves():
 ])
 def test_the_import_reader_sees_imports_inside_functions(module, expected):
     assert expected <= _plugin_edges()[module]
+
+
+def _readme_rows() -> dict[str, str]:
+    """README's code map: room -> the text of its row."""
+    text = (PLUGIN.parent / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Layout of the code"):]
+    import re
+
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\| `plugin/([a-z_]+)/`[^|]*\|(.*)\|$", section, re.M)}
+
+
+def test_the_readme_code_map_lists_every_room_and_module_and_nothing_else():
+    import re
+
+    rows = _readme_rows()
+    assert list(rows) == [r for r in ROOMS if r in rows] and set(rows) == set(ROOMS), \
+        f"README's code map rows {list(rows)} differ from the rooms {ROOMS}"
+    problems = []
+    for room, row in rows.items():
+        named = set(re.findall(r"`([a-z_]+\.py)`", row))
+        on_disk = {p.name for p in (PLUGIN / room).rglob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+        if room == "cli":  # one module per command: the row names the shared ones
+            on_disk = {"main.py", "common.py"}
+        problems += [f"{room}: README names {n}, which is not there" for n in sorted(named - on_disk)]
+        problems += [f"{room}: {n} is missing from README's code map" for n in sorted(on_disk - named)]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_path_the_readme_names_exists():
+    import re
+
+    text = (PLUGIN.parent / "README.md").read_text(encoding="utf-8")
+    paths = set(re.findall(r"`((?:plugin|tests|bench|examples|schemas|recipes)/[A-Za-z0-9_./-]*)`", text))
+    missing = sorted(p for p in paths if not (PLUGIN.parent / p).exists())
+    assert not missing, missing
+    section = text[text.index("## Layout of the code"):]
+    chain = re.findall(r"`([a-z_]+/[a-z_/]+\.py)`", section[section.index("in reading order"):])  # under plugin/
+    missing = [p for p in chain if not (PLUGIN / p).exists()]
+    assert len(chain) > 5 and not missing, missing
