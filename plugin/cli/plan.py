@@ -92,7 +92,7 @@ def run(args) -> int:
 def _write(result, path: Path):
     """Write the winner as a recipe after checking that it validates, passes the cross-field checks and that
     ``estimate`` of it agrees with the plan and fits; (path, exit code)."""
-    from ..planning.to_recipe import to_recipe_data, written_recipe_problems
+    from ..planning.to_recipe import check_written_recipe, to_recipe_data
     from ..recipe.checks import check_recipe
     from ..recipe.load import recipe_from_data
 
@@ -106,7 +106,7 @@ def _write(result, path: Path):
         print("the planned recipe does not validate (a bug in the planner; please report it):", file=sys.stderr)
         print_problems(errors)
         return None, 2
-    disagreements = written_recipe_problems(recipe, result.plans[0], result)
+    disagreements = check_written_recipe(recipe, result.plans[0], result)
     if disagreements:  # also a planner bug: the recipe would not be what was ranked
         print(f"not writing {path}: `estimate` of the planned recipe disagrees with the plan (a bug in the "
               "planner; please report it):", file=sys.stderr)

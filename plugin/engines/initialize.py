@@ -15,7 +15,7 @@ from pathlib import Path
 from ..distributed.env import check_launch, ensure_single_process_env, launch_env
 from ..errors import PluginError, Problem, RecipeError
 from ..interop.precision import PRECISIONS
-from ..recipe.checks import load_recipe, native_back_end_problems
+from ..recipe.checks import check_native_back_end, load_recipe
 from ..recipe.spec import Recipe
 from .choose import ACCELERATE_MARK, choose, importable
 from .context import BuildContext
@@ -116,7 +116,7 @@ def initialize(model, recipe: Recipe | str | Path, *, loss_fn: Callable | None =
     backend = backend or choose_backend(recipe, device.type)
     _warn_on_launch_precision(recipe, env)
     if backend == "native":  # chosen because deepspeed is missing: what only DeepSpeed does is refused now
-        problems = [p.with_file(recipe.source) for p in native_back_end_problems(recipe)]
+        problems = [p.with_file(recipe.source) for p in check_native_back_end(recipe, chosen=True)]
         if problems:
             _fail(problems, env)
     from ..tensor_parallel.hooks import tensor_parallel_hooks  # imports torch: not before the checks have passed

@@ -3,7 +3,7 @@
 A plan is written only if it was ranked as the model the recipe describes (``plan(..., as_recipe=True)``):
 a recipe's ``model`` block carries dimensions and dropout but no architecture (MLP kind, norm, tied
 embeddings), so the engine builds its reference GPT from it, and ``estimate`` counts that model. After
-writing, :func:`written_recipe_problems` re-estimates the recipe as ``estimate`` would and names every
+writing, :func:`check_written_recipe` re-estimates the recipe as ``estimate`` would and names every
 disagreement with the plan (fit, memory, step time): the CLI refuses to write a recipe with any.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ def to_recipe_data(plan_, result, name: str = "") -> dict:
     return data
 
 
-def written_recipe_problems(recipe, plan_, result) -> list[str]:
+def check_written_recipe(recipe, plan_, result) -> list[str]:
     """Where ``estimate`` of the written ``recipe`` disagrees with the plan it came from ([] if nowhere).
 
     The recipe is estimated exactly as ``python -m plugin estimate`` does (its own cluster's GPU memory and

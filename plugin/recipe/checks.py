@@ -150,10 +150,13 @@ def check_pipeline(recipe: Recipe, layout: Layout | None) -> Problems:
                           'write "type:" followed by a Python regex matching layer class names, e.g. "type:Block"')
 
 
-def native_back_end_problems(recipe: Recipe) -> Problems:
-    """What the native back end (DDP / ZeroRedundancyOptimizer / FSDP2) cannot do: DeepSpeed's nvme offload,
-    and offload below ZeRO-2. Also checked at run time when that back end is chosen because deepspeed is
-    missing (:func:`plugin.engines.initialize.initialize`)."""
+def check_native_back_end(recipe: Recipe, layout: Layout | None = None, *, chosen: bool = False) -> Problems:
+    """What the native back end (DDP / ZeroRedundancyOptimizer / FSDP2) cannot do: DeepSpeed's nvme offload, and
+    offload below ZeRO-2. As a recipe rule only where the recipe names that back end (``"launcher"``
+    ``"accelerate"`` or ``"torchrun"``); with ``chosen``, whenever it trains: :func:`plugin.engines.initialize.
+    initialize` passes it when the native back end was chosen because deepspeed is missing."""
+    if not chosen and recipe.launcher not in ("accelerate", "torchrun"):
+        return
     z = recipe.zero
     if "nvme" in (z.offload_param, z.offload_optimizer):
         yield Problem("$.zero", "nvme offload is DeepSpeed's (ZeRO-Infinity); the native back end (chosen by "
@@ -163,12 +166,6 @@ def native_back_end_problems(recipe: Recipe) -> Problems:
         yield Problem("$.zero.offload_optimizer", f"the native back end offloads through FSDP2 (ZeRO stage 2/3); "
                       f"stage {z.stage} runs DDP/ZeroRedundancyOptimizer, which cannot offload",
                       'set "stage": 2 or 3, or "launcher": "deepspeed" with deepspeed installed')
-
-
-def check_native_back_end(recipe: Recipe, layout: Layout | None) -> Problems:
-    """Offload limits of the native back end, when the recipe chooses it explicitly."""
-    if recipe.launcher in ("accelerate", "torchrun"):
-        yield from native_back_end_problems(recipe)
 
 
 def check_precision_and_optimizer(recipe: Recipe, layout: Layout | None) -> Problems:

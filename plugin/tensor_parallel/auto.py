@@ -94,7 +94,7 @@ def _heads_problem(what: str, heads: int, tp: int) -> list[str]:
     return []
 
 
-def known_model_problems(model: nn.Module, styles: Mapping[str, object], tp: int,
+def check_known_model(model: nn.Module, styles: Mapping[str, object], tp: int,
                          sequence_parallel: bool) -> list[str]:
     """What a known family needs beyond the per-module checks (``styles``: the modules being split)."""
     config = getattr(model, "config", None)

@@ -182,7 +182,7 @@ def resolve_plan(model: nn.Module, plan: str | Mapping[str, str], tp_size: int, 
     problems += _tie_problems(modules, assignment, tp_size)
     if not problems:
         styles = {n: s for n, s in assignment.items() if s.kind != "replicate"}
-        problems += auto.known_model_problems(model, styles, tp_size, sequence_parallel)
+        problems += auto.check_known_model(model, styles, tp_size, sequence_parallel)
         check = getattr(model, "check_tensor_parallel", None)
         if check is not None:
             problems += list(check(styles, tp_size, sequence_parallel))

@@ -3,7 +3,7 @@ import pytest
 
 from plugin.engines.choose import ACCELERATE_MARK, accelerate_mode, choose, launched_by_accelerate
 from plugin.errors import PluginError
-from plugin.recipe.checks import check_recipe, load_recipe, native_back_end_problems
+from plugin.recipe.checks import check_native_back_end, check_recipe, load_recipe
 from plugin.recipe.spec import Recipe
 
 ACCELERATE = {ACCELERATE_MARK: "no"}
@@ -93,10 +93,10 @@ def test_launcher_deepspeed_without_deepspeed_says_what_to_do():
 
 def test_what_the_native_back_end_refuses():
     nvme = recipe("cpu_zero3_dp4", zero={"offload_param": "nvme", "nvme_path": "/nvme"})
-    assert [p.path for p in native_back_end_problems(nvme)] == ["$.zero"]
+    assert [p.path for p in check_native_back_end(nvme, chosen=True)] == ["$.zero"]
     stage1 = recipe(zero={"stage": 1, "offload_optimizer": "cpu"})
-    assert [p.path for p in native_back_end_problems(stage1)] == ["$.zero.offload_optimizer"]
-    assert not list(native_back_end_problems(recipe("cpu_zero3_dp4", zero={"offload_param": "cpu"})))
+    assert [p.path for p in check_native_back_end(stage1, chosen=True)] == ["$.zero.offload_optimizer"]
+    assert not list(check_native_back_end(recipe("cpu_zero3_dp4", zero={"offload_param": "cpu"}), chosen=True))
 
 
 def test_interleaved_rounds_must_be_equal():

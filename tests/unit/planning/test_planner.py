@@ -18,7 +18,7 @@ from plugin.planning.schedule import bubble_fraction
 from plugin.planning.search import _Search, default_global_batch, divisors, plan
 from plugin.planning.setup import Setup
 from plugin.planning.steptime import HARDWARE, forward_flops, group_inside_node, step_time
-from plugin.planning.to_recipe import to_recipe_data, written_recipe_problems
+from plugin.planning.to_recipe import check_written_recipe, to_recipe_data
 from plugin.recipe.load import read_recipe, recipe_from_data
 
 LLAMA7 = get_preset("llama2-7b")
@@ -280,7 +280,7 @@ def test_every_written_recipe_fits_under_estimate(name):
             data = json.loads(json.dumps(to_recipe_data(p, result)))  # through the JSON text, like the file
             recipe, problems = recipe_from_data(data)
             assert recipe is not None, problems
-            assert written_recipe_problems(recipe, p, result) == [], (name, gpus, p.setup.label())
+            assert check_written_recipe(recipe, p, result) == [], (name, gpus, p.setup.label())
 
 
 def test_a_plan_for_a_preset_the_recipe_cannot_describe_is_not_written():
@@ -297,11 +297,11 @@ def test_a_plan_for_a_preset_the_recipe_cannot_describe_is_not_written():
     assert "an untied output layer instead of tied embeddings" in note and "1.32B" in note
     recipe_plan = as_recipe.plans[0]
     recipe, _ = recipe_from_data(to_recipe_data(recipe_plan, as_recipe))
-    assert written_recipe_problems(recipe, recipe_plan, as_recipe) == []
+    assert check_written_recipe(recipe, recipe_plan, as_recipe) == []
     # and the preset's own plan, written anyway, is what `estimate` disagrees with
     forced = dataclasses.replace(result, spec=result.spec.as_recipe_model())
     recipe, _ = recipe_from_data(to_recipe_data(result.plans[0], forced))
-    assert written_recipe_problems(recipe, result.plans[0], result)
+    assert check_written_recipe(recipe, result.plans[0], result)
 
 
 def test_llama_written_as_the_reference_gpt_of_its_dims():
@@ -323,7 +323,7 @@ def test_dropout_of_a_model_file_is_planned_and_written(tmp_path):
     data = to_recipe_data(result.plans[0], result)
     assert data["model"]["dropout"] == 0.1
     recipe, _ = recipe_from_data(data)
-    assert written_recipe_problems(recipe, result.plans[0], result) == []
+    assert check_written_recipe(recipe, result.plans[0], result) == []
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"layers": 8, "hidden": 1024, "heads": 16, "vocab": 32000, "seq_len": 1024,
                                "dropout": 1.5}))
@@ -342,7 +342,7 @@ def test_gpus_must_fill_whole_nodes():
         recipe, problems = recipe_from_data(data)
         assert not [p for p in problems if p.is_error]
         assert recipe.cluster.nodes * recipe.cluster.gpus_per_node == gpus
-        assert written_recipe_problems(recipe, result.plans[0], result) == []
+        assert check_written_recipe(recipe, result.plans[0], result) == []
 
 
 def test_the_assumptions_say_what_is_not_searched():
