@@ -21,8 +21,9 @@ from .comm import (
 )
 from .context import TensorParallelContext
 from .cross_entropy import vocab_parallel_cross_entropy
+from .embedding import VocabParallelEmbedding
 from .errors import TensorParallelError
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLinear
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLinear
 from .plan import apply_tensor_parallel, padding_report, parse_style, resolve_plan
 from .random import TensorParallelRNG
 from .state import full_state_dict, full_tensor

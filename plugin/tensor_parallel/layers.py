@@ -1,6 +1,6 @@
 """Megatron's tensor-parallel layers: column- and row-split linears, and a vocabulary-split head.
 
-(The vocabulary-split embedding lives in :mod:`.embedding` and is re-exported here.)
+(The vocabulary-split embedding is :mod:`.embedding`'s.)
 
 For ``Y = X A^T + b`` with ``A`` of shape ``[out, in]``:
 
@@ -38,7 +38,6 @@ from .comm import (
     reduce_scatter_to_sequence_region,
     scatter_to_tensor_region,
 )
-from .embedding import VocabParallelEmbedding
 from .errors import TensorParallelError
 from .fused import column_linear
 from .sharding import mark_sharded, padded_size, shard, shard_range
@@ -228,5 +227,4 @@ class RowParallelLinear(_ParallelLinear):
         return y if bias is None else y + bias
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelLinear", "VocabParallelEmbedding",
-           "linear_weights"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelLinear", "linear_weights"]

@@ -37,8 +37,9 @@ from torch import nn
 from . import auto
 from .comm import group_rank, group_size
 from .context import TensorParallelContext
+from .embedding import VocabParallelEmbedding
 from .errors import TensorParallelError
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLinear, linear_weights
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLinear, linear_weights
 from .random import TensorParallelRNG
 from .sharding import padded_size
 
