@@ -18,7 +18,7 @@ import json, sys
 import torch
 import torch.nn.functional as F
 import plugin
-from plugin.recipe import Recipe
+from plugin.recipe.spec import Recipe
 from plugin.recipe.checks import load_recipe
 
 base = load_recipe("cpu_single").to_dict()  # 1 process, global 16 = micro 4 x grad_accum 4, AdamW, clipping 1
