@@ -122,6 +122,10 @@ def initialize(model, recipe: Recipe | str | Path, *, loss_fn: Callable | None =
     from ..tensor_parallel.hooks import tensor_parallel_hooks  # imports torch: not before the checks have passed
 
     apply_tp, loss_for = tensor_parallel_hooks(model, recipe, loss_fn)
+    from ..checkpoint.adapt import model_index, recording_tp
+
+    index = model_index(model)  # checkpoints name every tensor as the unsharded model does, with its global shape
+    apply_tp, tp_layouts = recording_tp(apply_tp)  # each sharded parameter's layout, before FSDP2 replaces it
     if backend == "deepspeed":
         from .deepspeed.engine import build
     elif backend == "native":
@@ -132,6 +136,7 @@ def initialize(model, recipe: Recipe | str | Path, *, loss_fn: Callable | None =
         raise PluginError(f'unknown backend {backend!r} -> use "deepspeed", "accelerate" or "native"')
     engine = build(BuildContext(model=model, recipe=recipe, layout=layout, env=env, device=device,
                                 layers_of=layers_of, apply_tp=apply_tp, loss_for=loss_for))
+    engine.model_index, engine.tp_layouts, engine.whole_model = index, tp_layouts, model
     if env.is_main:  # here, not in each back end: every back end passes this line
         print(f"{recipe.source or recipe.name}: {startup_line(engine)}", file=sys.stderr, flush=True)
     return engine
