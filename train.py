@@ -98,12 +98,7 @@ def main(argv=None):
     if (args.save_every or args.keep) and not args.save:
         print("--save-every and --keep need --save DIR", file=sys.stderr)
         return 2
-    if (args.save_every or args.keep) and engine.backend != "native":
-        # DeepSpeed's and Accelerate's engines still write their own formats, one directory in place
-        print(f"--save-every/--keep: the {engine.backend} back end does not write step directories yet -> use "
-              "--save alone, or the native back end", file=sys.stderr)
-        return 2
-    save_kwargs = {"keep": args.keep} if engine.backend == "native" else {}
+    save_kwargs = {"keep": args.keep}
     start = engine.load(args.resume)["step"] if args.resume else 0
     main_rank = engine.is_main
     metrics = None

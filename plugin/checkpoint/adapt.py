@@ -27,6 +27,18 @@ def model_index(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], torc
     return {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """``{alias: canonical name}`` of parameters reachable under several names (tied weights)."""
+    first: dict[int, str] = {}
+    out = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[n] = first[id(p)]
+        else:
+            first[id(p)] = n
+    return out
+
+
 def recording_tp(apply_tp):
     """``apply_tp`` that also records ``{name: TensorLayout}`` of the parameters it sharded (returned dict)."""
     from .boxes import layout_of
@@ -87,7 +99,7 @@ def local_state(engine, *, for_load: bool, manifest: dict | None = None) -> Loca
         shape, dtype = index[name]
         pieces = custom(name, p, shape, None) if custom else \
             pieces_of(p, shape, layouts.get(name, TensorLayout()), tp_rank, tp_size)
-        entries[name] = Entry(shape, dtype, pieces)
+        entries[name] = Entry(shape, dtype if custom is None else torch.float32, pieces)
     optimizer = engine.local_optimizer()
     if optimizer is not None:
         if for_load:
@@ -110,6 +122,11 @@ def local_state(engine, *, for_load: bool, manifest: dict | None = None) -> Loca
                         pieces = custom(name, v, shape, key) if custom else \
                             pieces_of(v, shape, layouts.get(name, TensorLayout()), tp_rank, tp_size)
                         entries[full] = Entry(shape, v.dtype, pieces, "optim", name, key)
+    extra = getattr(engine, "checkpoint_extra", None)
+    if extra is not None:
+        more, more_after = extra(params, for_load)
+        entries.update(more)
+        after += more_after
     rank = engine.rank
     rngs = tensor_parallel_rngs(engine.module)
     if not for_load:
@@ -153,6 +170,8 @@ def save(engine, directory: str, client_state: dict | None = None, *, keep: int 
             "layout": {**engine.describe(), "virtual_stages": getattr(engine, "virtual_stages", 1)},
             "recipe": {"name": recipe.name, "model": dataclasses.asdict(recipe.model) if recipe.model else None},
             "optimizer": {"name": recipe.optimizer.name},
+            "model": {"class": f"{type(engine.whole_model).__module__}.{type(engine.whole_model).__qualname__}",
+                      "tied": tied_aliases(engine.whole_model)},
             "rng": {"same_layout_key": same_layout_key(engine)}}
     return store_save(state, directory, engine.step_count, info, keep=keep)
 

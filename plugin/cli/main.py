@@ -13,7 +13,7 @@ import sys
 
 from .common import run_command
 
-COMMANDS = ["validate", "show", "export", "import_", "estimate", "plan"]
+COMMANDS = ["validate", "show", "export", "import_", "estimate", "plan", "checkpoint"]
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
