@@ -156,3 +156,22 @@ def test_tp_segments_place_every_shard_of_sharding_shard(tp, parts, padding, n):
                 box = box.narrow(d, o, s)
             box.copy_(p.view)
     assert torch.equal(out, full)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("parts,dim", [(3, 0), (1, 0), (1, 1)])
+def test_a_transposed_conv1d_shard_lands_in_the_source_layout(tp, parts, dim):
+    """GPT-2's Conv1D keeps [in, out]; the TP layer holds its shard of [out, in] (packed c_attn: parts 3; c_proj: a
+    square row shard, which shapes alone would place wrongly)."""
+    source = torch.arange(8 * 24.0).view(8, 24) if parts == 3 else torch.arange(64.0).view(8, 8)
+    linear = source.t()
+    out = torch.full_like(source, float("nan"))
+    for r in range(tp):
+        local = shard(linear, dim, tp, r, parts=parts)
+        lay = TensorLayout(tp > 1, dim, parts, 0, transposed=True)
+        for p in compose(whole_held(local), tp_segments(local.shape, source.shape, lay, r, tp)):
+            box = out
+            for d, (o, s) in enumerate(zip(p.offsets, p.view.shape, strict=True)):
+                box = box.narrow(d, o, s)
+            box.copy_(p.view)
+    assert torch.equal(out, source)
