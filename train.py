@@ -33,8 +33,9 @@ def parse_args(argv=None):
                    "a path with {rank} in it: every rank writes its own")
     p.add_argument("--save", metavar="DIR", help="save a checkpoint there after the last step")
     p.add_argument("--resume", metavar="DIR", help="resume from a checkpoint written by --save")
-    p.add_argument("--model", default="gpt", choices=["gpt", "gpt2", "llama"],
-                   help="gpt: the reference GPT; gpt2/llama: transformers models from the recipe's dims")
+    p.add_argument("--model", default="gpt",
+                   help="gpt: the reference GPT; llama, qwen2, mistral, gpt2: transformers models sized by the "
+                   "recipe's model block; or a config.json path (random weights; must agree with the recipe)")
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # deepspeed passes it
     return p.parse_args(argv)
 
@@ -84,7 +85,16 @@ def main(argv=None):
 
     torch.manual_seed(args.seed)  # the same whole model on every rank; the plugin shards it
     try:
-        engine = plugin.initialize(build_model(args.model, recipe.model), recipe)
+        model = build_model(args.model, recipe.model)
+    except RecipeError as e:  # the recipe and --model's config disagree: every process exits, before any group
+        if os.environ.get("RANK", "0") == "0":
+            print("\n".join(p.with_file(recipe.source).format() for p in e.problems), file=sys.stderr)
+        return 2
+    except PluginError as e:
+        print(e, file=sys.stderr)
+        return 2
+    try:
+        engine = plugin.initialize(model, recipe)
     except RecipeError:
         return 2  # rank 0 already printed every problem
     except PluginError as e:
