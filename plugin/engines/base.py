@@ -31,6 +31,18 @@ from .batches import HF, map_tensors, micro_batches, rows_of, shard_rows, split_
 from .data_contract import check_same_rows
 
 
+def _convention_suspect(inputs, labels, convention: str) -> int:
+    """1 when the labels look like the other convention's (see :meth:`Engine.prepare_loss`), else 0."""
+    if convention == HF:
+        ids = inputs["input_ids"]
+        if ids.shape != labels.shape or ids.shape[1] < 2 or torch.equal(ids, labels):
+            return 0
+        return int(torch.equal(labels[:, :-1], ids[:, 1:]))
+    if isinstance(inputs, torch.Tensor) and inputs.shape == labels.shape and inputs.dtype == labels.dtype:
+        return int(torch.equal(inputs, labels))
+    return 0
+
+
 class Engine(abc.ABC):
     """A model sharded per a recipe, with its optimizer, ready to train."""
 
@@ -155,6 +167,14 @@ class Engine(abc.ABC):
         transformers model's stage list (:mod:`plugin.models.hf_stages`) the tuple ``(input_ids, attention_mask
         int64 or [B, 1] when none, position_ids)`` that travels between its stages. Other keys are refused: only
         those tensors cross stage boundaries."""
+        ids = inputs["input_ids"] if isinstance(inputs, dict) else inputs
+        shape = tuple(ids.shape)
+        # DeepSpeed sends activation shapes once and torch's schedules infer them on their first step: a batch of
+        # another [rows, seq] later would fail deep inside (or mis-shape a buffer), so say it here
+        seen = self.__dict__.setdefault("_stage_input_shape", shape)
+        if seen != shape:
+            raise PluginError(f"pipeline stages need every batch of one shape: the first had {list(seen)}, this one "
+                              f"{list(shape)} -> pad every batch to one length (e.g. the recipe's seq_len)")
         if self.calls_with_kwargs:
             from ..models.hf_stages import first_stage_inputs
 
@@ -196,24 +216,42 @@ class Engine(abc.ABC):
                             global_rows=lay.global_batch, local_rows=local_rows, device=self.device)
         if wrong:
             raise ValueError(wrong)
-        self.prepare_loss(labels, convention, whole)
+        self.prepare_loss(labels, convention, whole, inputs=inputs if call == "train_step" else None)
         return self.to_inputs(inputs), labels
 
-    def prepare_loss(self, labels, convention: str, whole=None) -> None:
+    def prepare_loss(self, labels, convention: str, whole=None, inputs=None) -> None:
         """Give the default loss (one with ``prepare``) this step's denominator ``N / (data x grad_accum)``, ``N``
         the non-ignored targets of the global batch: counted on ``whole`` when the step was given the global
         batch, else this share's count summed over the data group (one int64 all-reduce; every rank is in one
-        data group, so every stage takes part). ``N == 0`` raises on every rank alike."""
+        data group, so every stage takes part). ``N == 0`` raises on every rank alike.
+
+        On the first ``train_step`` (``inputs`` given) the labels' convention is checked too, since a wrong one
+        trains without any error: tuple labels equal to the inputs (the model would learn to copy its input), or
+        dict labels equal to ``input_ids`` shifted by one (shifted twice). The verdict travels with the count, so
+        every rank raises alike."""
         loss_fn = self.loss_fn
         if not hasattr(loss_fn, "prepare"):
             return
         lay = self.layout
+        suspect = 0
+        if inputs is not None and self.step_count == 0:
+            suspect = _convention_suspect(inputs, labels, convention)
         if whole is not None or lay.data == 1:
-            count = target_count(whole if whole is not None else labels, convention)
+            count = torch.stack([target_count(whole if whole is not None else labels, convention),
+                                 torch.tensor(suspect, dtype=torch.int64, device=labels.device)])
         else:
-            count = target_count(labels, convention).reshape(1).to(self.device)
+            count = torch.stack([target_count(labels, convention).to(self.device),
+                                 torch.tensor(suspect, dtype=torch.int64, device=self.device)])
             torch.distributed.all_reduce(count, group=self.groups.data_group)
-        n = int(count.sum().item())
+        n, suspect = (int(v) for v in count.tolist())
+        if suspect and convention == HF:
+            raise PluginError("the dict batch's labels look already shifted (labels[:, t] == input_ids[:, t + 1]): "
+                              "dict batches take labels = input_ids, shifted inside the loss -> pass "
+                              "labels=input_ids (-100 where nothing is to be predicted)")
+        if suspect:
+            raise PluginError("the batch's labels equal its inputs: (inputs, labels) tuples take labels already "
+                              "shifted, so the model would learn to copy its input -> pass {'input_ids': x, "
+                              "'labels': x} (shifted inside the loss), or (x[:, :-1], x[:, 1:])")
         if n == 0:
             raise PluginError(f"step {self.step_count + 1}: the global batch has no target token (every label is "
                               "-100" + (", and the shift drops each row's first label" if convention == HF else "")

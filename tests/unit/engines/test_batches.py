@@ -106,3 +106,39 @@ def test_engine_refuses_a_batch_without_targets():
         engine.prepare_loss(labels, HF)
     engine.prepare_loss(labels, SHIFTED)
     assert engine.loss_fn.denominator == 2
+
+
+def test_pipeline_stages_refuse_a_batch_of_another_shape():
+    from plugin.engines.base import Engine
+
+    class Probe(Engine):
+        train_step = eval_step = save = load = None
+
+    engine = Probe(None, None, None, None, torch.nn.Identity(), torch.device("cpu"))
+    ids = torch.zeros(4, 8, dtype=torch.long)
+    assert engine.first_stage_input({"input_ids": ids}) is ids
+    with pytest.raises(PluginError, match=r"the first had \[4, 8\], this one \[4, 7\] -> pad every batch"):
+        engine.first_stage_input(ids[:, :7])
+    with pytest.raises(PluginError, match="takes input_ids only"):
+        engine.first_stage_input({"input_ids": ids, "attention_mask": ids})
+
+
+def test_first_train_step_refuses_labels_of_the_other_convention():
+    from types import SimpleNamespace
+
+    from plugin.engines.base import Engine
+
+    class Probe(Engine):
+        train_step = eval_step = save = load = None
+
+    engine = Probe(None, SimpleNamespace(data=1, grad_accum=1), None, None, torch.nn.Identity(), torch.device("cpu"))
+    engine.loss_fn = TokenLoss(None, split_logits=False)
+    x = torch.arange(12).reshape(2, 6)
+    with pytest.raises(PluginError, match="would learn to copy its input"):
+        engine.prepare_loss(x, SHIFTED, inputs=x)
+    with pytest.raises(PluginError, match="look already shifted"):
+        engine.prepare_loss(torch.cat([x[:, 1:], x[:, :1]], 1), HF, inputs={"input_ids": x})
+    engine.prepare_loss(x, HF, inputs={"input_ids": x})  # the right conventions pass
+    engine.prepare_loss(x[:, 1:], SHIFTED, inputs=x[:, :-1])
+    engine.step_count = 1
+    engine.prepare_loss(x, SHIFTED, inputs=x)  # checked on the first step only
