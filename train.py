@@ -6,8 +6,10 @@
     accelerate launch --multi_gpu --num_processes 4 train.py --recipe cpu_dp4
     ./launch.sh cpu_tp2_pp2                                     # picks one of the above
 
-Data: byte-level text of Python's standard library (no download), the same global batch at step i
-whatever the layout. Rank 0 shows progress, writes --metrics as JSON lines and prints a summary.
+Data: byte-level text of Python's standard library (no download), or with --data your local text / JSONL /
+Parquet files (--tokenizer DIR for a tokenizer.json), packed into seq_len windows; the same global batch at step
+i whatever the layout, and --save keeps the data position for --resume. Rank 0 shows progress, writes --metrics
+as JSON lines and prints a summary.
 """
 import argparse
 import json
@@ -35,10 +37,30 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int, metavar="N", help="also save every N steps (needs --save)")
     p.add_argument("--keep", type=int, metavar="K", help="keep the last K complete checkpoints under --save")
     p.add_argument("--resume", metavar="DIR", help="resume from the last complete checkpoint under DIR")
-    p.add_argument("--model", default="gpt", choices=["gpt", "gpt2", "llama"],
-                   help="gpt: the reference GPT; gpt2/llama: transformers models from the recipe's dims")
+    p.add_argument("--model", default="gpt",
+                   help="gpt: the reference GPT; llama, qwen2, mistral, gpt2: transformers models sized by the "
+                   "recipe's model block; or a config.json path (random weights; must agree with the recipe)")
+    p.add_argument("--data", nargs="+", metavar="PATH",
+                   help="local text / JSONL / Parquet files or directories, packed into seq_len windows "
+                   "(default: the standard library's text, byte-level)")
+    p.add_argument("--text-field", default="text", help="the JSONL / Parquet field holding the text (default text)")
+    p.add_argument("--tokenizer", metavar="DIR", help="a directory with a tokenizer.json (default: byte-level)")
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # deepspeed passes it
     return p.parse_args(argv)
+
+
+def local_windows(args, recipe):
+    """--data's documents tokenised and packed, split (train, eval), checked before any process group exists."""
+    from plugin.data.files import read_documents
+    from plugin.data.packing import check_enough, pack
+    from plugin.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer, model_vocab=recipe.model.vocab)
+    windows = pack(tok.encode(read_documents(args.data, args.text_field)), tok.eos_id, recipe.model.seq_len)
+    train, evaluation = windows.split(0.1)
+    global_batch = recipe.layout(int(os.environ.get("WORLD_SIZE", "1"))).global_batch
+    check_enough(train, recipe.model.seq_len, global_batch)
+    return train, evaluation
 
 
 def build_model(name, dims):
@@ -84,9 +106,25 @@ def main(argv=None):
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
+    windows = None
+    if args.data:
+        try:
+            windows = local_windows(args, recipe)
+        except PluginError as e:
+            print(e, file=sys.stderr)
+            return 2
     torch.manual_seed(args.seed)  # the same whole model on every rank; the plugin shards it
     try:
-        engine = plugin.initialize(build_model(args.model, recipe.model), recipe)
+        model = build_model(args.model, recipe.model)
+    except RecipeError as e:  # the recipe and --model's config disagree: every process exits, before any group
+        if os.environ.get("RANK", "0") == "0":
+            print("\n".join(p.with_file(recipe.source).format() for p in e.problems), file=sys.stderr)
+        return 2
+    except PluginError as e:
+        print(e, file=sys.stderr)
+        return 2
+    try:
+        engine = plugin.initialize(model, recipe)
     except RecipeError:
         return 2  # rank 0 already printed every problem
     except PluginError as e:
@@ -98,8 +136,23 @@ def main(argv=None):
     if (args.save_every or args.keep) and not args.save:
         print("--save-every and --keep need --save DIR", file=sys.stderr)
         return 2
-    save_kwargs = {"keep": args.keep}
-    start = engine.load(args.resume)["step"] if args.resume else 0
+    state = engine.load(args.resume) if args.resume else {"step": 0}
+    start = state["step"]
+    if windows is not None:  # the same global batch at step i whatever the layout; the position in checkpoints
+        loader = engine.dataloader(windows[0], seed=args.seed)
+        if "data" in state:
+            loader.load_state_dict(state["data"])
+        stream = loader.stream()
+        next_batch = lambda step: next(stream)  # noqa: E731
+        evaluation = windows[1] if len(windows[1]) >= engine.layout.global_batch else windows[0]
+        rows = evaluation.windows[:engine.layout.global_batch]  # the whole global batch; each rank takes its share
+        eval_batch = {"input_ids": rows, "labels": rows}
+    else:
+        next_batch = lambda step: data.global_batch(step, engine.layout.global_batch)  # noqa: E731
+        eval_batch = None
+
+    def save_kwargs():  # the data position travels in the checkpoint, so --resume continues where it stopped
+        return {"keep": args.keep, "client_state": {"data": loader.state_dict()} if windows is not None else None}
     main_rank = engine.is_main
     metrics = None
     if args.metrics and (main_rank or "{rank}" in args.metrics):
@@ -109,7 +162,7 @@ def main(argv=None):
     losses, t0 = [], time.perf_counter()
     for step in range(start, args.steps):
         t = time.perf_counter()
-        loss = engine.train_step(data.global_batch(step, engine.layout.global_batch))
+        loss = engine.train_step(next_batch(step))
         tokens_per_s = tokens / (time.perf_counter() - t)
         losses.append(loss)
         progress.update(step + 1, loss, tokens_per_s)
@@ -117,11 +170,13 @@ def main(argv=None):
             metrics.write(json.dumps({"step": step + 1, "loss": loss, "tokens_per_s": tokens_per_s}) + "\n")
             metrics.flush()
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            engine.save(args.save, **save_kwargs)
+            engine.save(args.save, **save_kwargs())
     elapsed = time.perf_counter() - t0
     if args.save:
-        engine.save(args.save, **save_kwargs)
-    eval_loss = engine.eval_step(data.global_batch(0, engine.layout.global_batch, split="eval"))
+        engine.save(args.save, **save_kwargs())
+    if eval_batch is None:
+        eval_batch = data.global_batch(0, engine.layout.global_batch, split="eval")
+    eval_loss = engine.eval_step(eval_batch)
     if main_rank and losses:
         lay = engine.layout
         print(f"\ntrained {recipe.name} with {engine.backend}: data {lay.data} x tensor {lay.tensor} x pipeline "

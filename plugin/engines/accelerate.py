@@ -64,7 +64,7 @@ class AccelerateEngine(Engine):
         losses = []
         for inputs, labels in self.micro_batches(batch):
             with acc.accumulate(self.model):
-                loss = self.loss_fn(self.model(inputs), labels)
+                loss = self.loss_fn(self.call_model(self.model, inputs), labels)
                 acc.backward(loss)  # divides by grad_accum (DeepSpeed: its own backward does)
                 if acc.sync_gradients and clip > 0 and self.mode != "deepspeed":  # DeepSpeed clips itself
                     acc.clip_grad_norm_(self.model.parameters(), clip)
@@ -77,7 +77,8 @@ class AccelerateEngine(Engine):
     @torch.no_grad()
     def eval_step(self, batch) -> float:
         self.model.eval()
-        losses = [self.loss_fn(self.model(x), y).detach().float() for x, y in self.micro_batches(batch)]
+        losses = [self.loss_fn(self.call_model(self.model, x), y).detach().float()
+                  for x, y in self.micro_batches(batch)]
         return self.mean_over_data(torch.stack(losses).mean())
 
     # ------------------------------------------------------------------ checkpoints (plugin/checkpoint/)

@@ -1,8 +1,15 @@
 """The interface every back end implements, and what they share: batch splitting and loss averaging.
 
 ``train_step(batch)`` takes the global batch (``global`` rows) or this data rank's share
-(``micro x grad_accum`` rows) as an ``(inputs, labels)`` pair, runs ``grad_accum`` micro-batches and one
+(``micro x grad_accum`` rows) as an ``(inputs, labels)`` pair (labels already shifted) or a Hugging Face style
+dict (``input_ids``, ``labels`` = input ids shifted inside the loss, ``-100`` ignored, ``attention_mask`` and other
+keyword arguments of the model: :mod:`plugin.engines.batches`), runs ``grad_accum`` micro-batches and one
 optimizer step, and returns the mean loss over the whole global batch: the same float on every rank.
+
+The default loss (:class:`plugin.tensor_parallel.hooks.TokenLoss`) is token-weighted: the mean over every
+non-ignored target token of the global batch, across micro-batches, data ranks and pipeline micro-batches, so
+padded batches of uneven lengths train what one process trains. A user ``loss_fn`` is taken per micro-batch and
+averaged over micro-batches and data ranks (each micro-batch weighs the same).
 
 The data contract (:mod:`plugin.engines.data_contract`): the ranks of one model replica (tensor peers, pipeline stages)
 must hold the same rows. Every back end reaches its batch through :meth:`Engine.local_batch` (directly, or
@@ -19,8 +26,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .batches import micro_batches, shard_rows
+from ..errors import PluginError
+from .batches import HF, map_tensors, micro_batches, rows_of, shard_rows, split_batch, target_count
 from .data_contract import check_same_rows
+
+
+def _convention_suspect(inputs, labels, convention: str) -> int:
+    """1 when the labels look like the other convention's (see :meth:`Engine.prepare_loss`), else 0."""
+    if convention == HF:
+        ids = inputs["input_ids"]
+        if ids.shape != labels.shape or ids.shape[1] < 2 or torch.equal(ids, labels):
+            return 0
+        return int(torch.equal(labels[:, :-1], ids[:, 1:]))
+    if isinstance(inputs, torch.Tensor) and inputs.shape == labels.shape and inputs.dtype == labels.dtype:
+        return int(torch.equal(inputs, labels))
+    return 0
 
 
 class Engine(abc.ABC):
@@ -32,6 +52,9 @@ class Engine(abc.ABC):
     # The dtype floating inputs must have on entering the module: None keeps them as given (fp32, or autocast
     # in the back end); a back end that casts the model itself to bf16/fp16 (DeepSpeed) sets it.
     input_dtype: torch.dtype | None = None
+    # A transformers model: dict batches are passed as keyword arguments, with use_cache=False (initialize sets it)
+    calls_with_kwargs: bool = False
+    loss_fn: Callable | None = None
 
     def __init__(self, recipe, layout, topology, groups, module: torch.nn.Module, device: torch.device):
         self.recipe = recipe
@@ -113,40 +136,127 @@ class Engine(abc.ABC):
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def to_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
-        """``inputs`` as the module takes them: on the engine's device, and a floating tensor in
-        :attr:`input_dtype` when the back end set one (integer token ids are left as they are)."""
-        inputs = inputs.to(self.device, non_blocking=True)
-        if self.input_dtype is not None and inputs.is_floating_point():
-            inputs = inputs.to(self.input_dtype)
+    def to_inputs(self, inputs):
+        """``inputs`` (a tensor or a dict of them) as the module takes them: on the engine's device, and floating
+        tensors in :attr:`input_dtype` when the back end set one (integer token ids and masks are left as they are)."""
+        def move(t):
+            t = t.to(self.device, non_blocking=True)
+            if self.input_dtype is not None and t.is_floating_point():
+                t = t.to(self.input_dtype)
+            return t
+
+        return map_tensors(inputs, move)
+
+    def call_model(self, module, inputs):
+        """``module``'s output for ``inputs``: a transformers model gets a dict as keyword arguments and
+        ``use_cache=False`` (in training HF would build a cache, and then reads packed ``position_ids`` otherwise);
+        another model gets the tensor, or a dict's ``input_ids`` (the only key it can take)."""
+        if isinstance(inputs, dict):
+            if self.calls_with_kwargs:
+                return module(**{"use_cache": False, **inputs})
+            extra = sorted(set(inputs) - {"input_ids"})
+            if extra:
+                raise PluginError(f"a dict batch holds {extra}, but {type(self.module).__name__} is not a "
+                                  "transformers model and takes input_ids only -> drop those keys (padding: label "
+                                  "it -100, right-padded rows need no mask in a causal model)")
+            return module(inputs["input_ids"])
+        return module(inputs, use_cache=False) if self.calls_with_kwargs else module(inputs)
+
+    def first_stage_input(self, inputs):
+        """What a pipeline's first stage takes: a tensor (a dict's ``input_ids``) for a layer list, or for a
+        transformers model's stage list (:mod:`plugin.models.hf_stages`) the tuple ``(input_ids, attention_mask
+        int64 or [B, 1] when none, position_ids)`` that travels between its stages. Other keys are refused: only
+        those tensors cross stage boundaries."""
+        ids = inputs["input_ids"] if isinstance(inputs, dict) else inputs
+        shape = tuple(ids.shape)
+        # DeepSpeed sends activation shapes once and torch's schedules infer them on their first step: a batch of
+        # another [rows, seq] later would fail deep inside (or mis-shape a buffer), so say it here
+        seen = self.__dict__.setdefault("_stage_input_shape", shape)
+        if seen != shape:
+            raise PluginError(f"pipeline stages need every batch of one shape: the first had {list(seen)}, this one "
+                              f"{list(shape)} -> pad every batch to one length (e.g. the recipe's seq_len)")
+        if self.calls_with_kwargs:
+            from ..models.hf_stages import first_stage_inputs
+
+            return first_stage_inputs(inputs)
+        if isinstance(inputs, dict):
+            extra = sorted(set(inputs) - {"input_ids"})
+            if extra:
+                raise PluginError(f"a dict batch holds {extra}, but the pipeline's first stage takes input_ids only "
+                                  "-> drop those keys")
+            return inputs["input_ids"]
         return inputs
 
     def local_batch(self, batch, call: str | None = None):
-        """This data rank's share of ``batch`` (given whole, or already split), on the engine's device, its
-        inputs as the module takes them (:meth:`to_inputs`); labels keep their dtype.
+        """This data rank's share of ``batch`` (given whole, or already split) as ``(inputs, labels)``, on the
+        engine's device, its inputs as the module takes them (:meth:`to_inputs`); labels keep their dtype.
 
         With tensor or pipeline > 1, the share's fingerprint is compared over the model replica first
         (:func:`plugin.engines.data_contract.check_same_rows`, one all-gather of 3 int64 per rank over the world): a
-        mismatch, or a wrong row count on any rank, raises on every rank before anything is trained."""
+        mismatch, or a wrong row count on any rank, raises on every rank before anything is trained.
+        Then the default loss is told the step's token count (:meth:`prepare_loss`)."""
         call = call or ("train_step" if torch.is_grad_enabled() else "eval_step")  # every eval_step runs no_grad
-        rows = batch[0].shape[0]
+        inputs, labels, convention = split_batch(batch)
+        rows = rows_of(inputs)
         lay = self.layout
         local_rows = lay.micro_batch * lay.grad_accum
         wrong = None
+        whole = None
         # At data 1 the global batch is the local share: nothing to cut, and the check below sees the same rows.
         if rows == lay.global_batch and rows != local_rows:
-            batch = shard_rows(batch, self.dp_rank, lay.data)
+            whole = labels
+            inputs, labels = shard_rows((inputs, labels), self.dp_rank, lay.data)
         elif rows != local_rows:
             wrong = (f"{call} got {rows} rows; expected the global batch ({lay.global_batch}) or this rank's share "
                      f"(micro {lay.micro_batch} x grad_accum {lay.grad_accum} = {local_rows})")
-        inputs, *rest = batch
-        inputs, rest = inputs.to(self.device, non_blocking=True), [t.to(self.device, non_blocking=True) for t in rest]
+        inputs = map_tensors(inputs, lambda t: t.to(self.device, non_blocking=True))
+        labels = labels.to(self.device, non_blocking=True)
         if lay.tensor * lay.pipeline > 1 and self.check_peer_rows:  # no peers at tensor = pipeline = 1
-            check_same_rows(None if wrong else (inputs, *rest), rows, self.topology, call=call,
+            check_same_rows(None if wrong else (inputs, labels), rows, self.topology, call=call,
                             global_rows=lay.global_batch, local_rows=local_rows, device=self.device)
         if wrong:
             raise ValueError(wrong)
-        return (self.to_inputs(inputs), *rest)
+        self.prepare_loss(labels, convention, whole, inputs=inputs if call == "train_step" else None)
+        return self.to_inputs(inputs), labels
+
+    def prepare_loss(self, labels, convention: str, whole=None, inputs=None) -> None:
+        """Give the default loss (one with ``prepare``) this step's denominator ``N / (data x grad_accum)``, ``N``
+        the non-ignored targets of the global batch: counted on ``whole`` when the step was given the global
+        batch, else this share's count summed over the data group (one int64 all-reduce; every rank is in one
+        data group, so every stage takes part). ``N == 0`` raises on every rank alike.
+
+        On the first ``train_step`` (``inputs`` given) the labels' convention is checked too, since a wrong one
+        trains without any error: tuple labels equal to the inputs (the model would learn to copy its input), or
+        dict labels equal to ``input_ids`` shifted by one (shifted twice). The verdict travels with the count, so
+        every rank raises alike."""
+        loss_fn = self.loss_fn
+        if not hasattr(loss_fn, "prepare"):
+            return
+        lay = self.layout
+        suspect = 0
+        if inputs is not None and self.step_count == 0:
+            suspect = _convention_suspect(inputs, labels, convention)
+        if whole is not None or lay.data == 1:
+            count = torch.stack([target_count(whole if whole is not None else labels, convention),
+                                 torch.tensor(suspect, dtype=torch.int64, device=labels.device)])
+        else:
+            count = torch.stack([target_count(labels, convention).to(self.device),
+                                 torch.tensor(suspect, dtype=torch.int64, device=self.device)])
+            torch.distributed.all_reduce(count, group=self.groups.data_group)
+        n, suspect = (int(v) for v in count.tolist())
+        if suspect and convention == HF:
+            raise PluginError("the dict batch's labels look already shifted (labels[:, t] == input_ids[:, t + 1]): "
+                              "dict batches take labels = input_ids, shifted inside the loss -> pass "
+                              "labels=input_ids (-100 where nothing is to be predicted)")
+        if suspect:
+            raise PluginError("the batch's labels equal its inputs: (inputs, labels) tuples take labels already "
+                              "shifted, so the model would learn to copy its input -> pass {'input_ids': x, "
+                              "'labels': x} (shifted inside the loss), or (x[:, :-1], x[:, 1:])")
+        if n == 0:
+            raise PluginError(f"step {self.step_count + 1}: the global batch has no target token (every label is "
+                              "-100" + (", and the shift drops each row's first label" if convention == HF else "")
+                              + ") -> check the labels' padding")
+        loss_fn.prepare(n / (lay.data * lay.grad_accum), convention)
 
     def micro_batches(self, batch, call: str | None = None) -> list:
         return micro_batches(self.local_batch(batch, call), self.layout.grad_accum)

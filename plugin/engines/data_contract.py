@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PluginError
+from .batches import flat_tensors
 
 FIELDS = 3  # per rank: rows given, digest of the inputs, digest of the labels (and any further tensors)
 _MAX_LISTED = 3  # mismatching data replicas spelled out in the message; the rest are counted
@@ -70,14 +71,20 @@ def digest(t: torch.Tensor) -> torch.Tensor:
 
 def fingerprint(batch, rows: int) -> torch.Tensor:
     """``[rows, digest(inputs), digest(labels, ...)]``, int64 on the batch's device; ``batch`` None (a rank whose
-    row count is already wrong) gives zero digests."""
+    row count is already wrong) gives zero digests. Inputs given as a dict (a Hugging Face batch) digest each
+    value in sorted key order, each weighted apart."""
     if batch is None:
         return torch.tensor([rows, 0, 0], dtype=torch.int64)
     inputs, *rest = batch
-    labels = digest(rest[0]) if rest else torch.zeros((), dtype=torch.int64, device=inputs.device)
+    parts = flat_tensors(inputs)
+    device = parts[0].device
+    first = digest(parts[0])
+    for i, t in enumerate(parts[1:], start=1):
+        first = first + digest(t) * (2 * i + 1)
+    labels = digest(rest[0]) if rest else torch.zeros((), dtype=torch.int64, device=device)
     for i, t in enumerate(rest[1:], start=1):  # whatever else the batch carries, each weighted apart
         labels = labels + digest(t) * (2 * i + 1)
-    return torch.stack([torch.tensor(rows, dtype=torch.int64, device=inputs.device), digest(inputs), labels])
+    return torch.stack([torch.tensor(rows, dtype=torch.int64, device=device), first, labels])
 
 
 def _who(topology, rank: int, with_data_rank: bool = False) -> str:

@@ -56,9 +56,14 @@ def as_module(model):
 
 
 def layers_of(model) -> list:
-    """The model as an ordered list of layers, for pipeline stages."""
+    """The model as an ordered list of layers, for pipeline stages: a transformers causal LM's stage list
+    (:func:`plugin.models.hf_stages.stage_layers`), ``to_layers()``, or the list / Sequential itself."""
     import torch
 
+    from ..models.hf_stages import is_hf_model, stage_layers
+
+    if is_hf_model(model):
+        return stage_layers(model)
     if hasattr(model, "to_layers"):
         return list(model.to_layers())
     if isinstance(model, (list, tuple, torch.nn.Sequential)):
@@ -137,6 +142,9 @@ def initialize(model, recipe: Recipe | str | Path, *, loss_fn: Callable | None =
     engine = build(BuildContext(model=model, recipe=recipe, layout=layout, env=env, device=device,
                                 layers_of=layers_of, apply_tp=apply_tp, loss_for=loss_for))
     engine.model_index, engine.tp_layouts, engine.whole_model = index, tp_layouts, model
+    from ..models.hf_stages import is_hf_model
+
+    engine.calls_with_kwargs = is_hf_model(model)  # dict batches as keyword arguments, use_cache=False
     if env.is_main:  # here, not in each back end: every back end passes this line
         print(f"{recipe.source or recipe.name}: {startup_line(engine)}", file=sys.stderr, flush=True)
     return engine

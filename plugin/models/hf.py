@@ -1,32 +1,44 @@
-"""transformers GPT-2 and Llama built from a recipe's ``model`` block, with random weights (no download).
+"""transformers causal LMs (Llama, Qwen2, Mistral, GPT-2) built from a recipe's ``model`` block or a local
+``config.json``, with random weights (no download, no hub).
 
-The engines call ``model(input_ids)`` and give the loss the output's ``.logits``; the tensor-parallel
-``"auto"`` plan shards these models with whole (gathered) logits, so their loss is the ordinary cross
-entropy (see :mod:`plugin.tensor_parallel.hooks`). transformers is an optional dependency (the ``test`` extra).
+The engines call the model with ``use_cache=False`` (dict batches as keyword arguments) and give the loss the
+output's ``.logits``; the tensor-parallel ``"auto"`` plan shards these models with whole (gathered) logits, so
+their loss is the ordinary cross entropy (see :mod:`plugin.tensor_parallel.hooks`); pipelines cut them at decoder
+layers (:mod:`plugin.models.hf_stages`). transformers is an optional dependency (the ``test`` extra).
 """
 from __future__ import annotations
 
-from ..errors import PluginError
+import os
+
+from ..errors import PluginError, RecipeError
+from .hf_config import FAMILIES, config_problems, family_config, read_config
 
 
-def build_hf_model(name: str, dims):
-    """``name`` "gpt2" or "llama"; ``dims`` a recipe's :class:`plugin.recipe.spec.Model`."""
+def _transformers(what: str):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local configs only: never ask the hub
     try:
         import transformers as tf
     except ImportError as e:
-        raise PluginError(f"--model {name} needs transformers -> pip install transformers (with torch pinned)") from e
+        raise PluginError(f"--model {what} needs transformers -> pip install transformers (with torch pinned)") from e
     tf.logging.set_verbosity_error()
-    if name == "gpt2":
-        config = tf.GPT2Config(vocab_size=dims.vocab, n_embd=dims.hidden, n_layer=dims.layers, n_head=dims.heads,
-                               n_inner=dims.ffn_hidden_resolved, n_positions=dims.seq_len,
-                               resid_pdrop=dims.dropout, embd_pdrop=dims.dropout, attn_pdrop=dims.dropout,
-                               bos_token_id=0, eos_token_id=0)
-        return tf.GPT2LMHeadModel(config)
-    if name == "llama":
-        config = tf.LlamaConfig(vocab_size=dims.vocab, hidden_size=dims.hidden, num_hidden_layers=dims.layers,
-                                num_attention_heads=dims.heads, num_key_value_heads=dims.kv_heads_resolved,
-                                intermediate_size=dims.ffn_hidden_resolved, max_position_embeddings=dims.seq_len,
-                                attention_dropout=dims.dropout, tie_word_embeddings=False,
-                                bos_token_id=0, eos_token_id=0)
-        return tf.LlamaForCausalLM(config)
-    raise PluginError(f"unknown model {name!r} -> use gpt, gpt2 or llama")
+    return tf
+
+
+def build_hf_model(name: str, dims):
+    """``name`` a family (:data:`~plugin.models.hf_config.FAMILIES`, sized by ``dims``, a recipe's
+    :class:`plugin.recipe.spec.Model`) or the path of a ``config.json`` (or a directory holding one), checked against
+    ``dims``: a disagreement raises :class:`RecipeError` naming both values."""
+    if name in FAMILIES:
+        tf = _transformers(name)
+        model_type, kwargs = family_config(name, dims)
+        config = tf.AutoConfig.for_model(model_type, **kwargs)
+    else:
+        data = read_config(name)
+        problems = config_problems(data, dims, f"{name}")
+        if any(p.is_error for p in problems):
+            raise RecipeError(problems)
+        tf = _transformers(name)
+        data = {k: v for k, v in data.items() if k not in ("architectures", "transformers_version")}
+        config = tf.AutoConfig.for_model(data.pop("model_type"), **data)
+        config.use_cache = False
+    return tf.AutoModelForCausalLM.from_config(config)

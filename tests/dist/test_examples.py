@@ -120,3 +120,29 @@ def test_lenet_bf16_zero1_under_accelerate_launch(tmp_path):
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), out.stdout[-2000:]
     assert losses[-1] < 0.8 * losses[0], f"bf16 LeNet does not learn: {losses}"
     assert re.search(r"accelerate over 2 process\(es\), held-out accuracy", out.stdout), out.stdout[-2000:]
+
+
+@pytest.mark.parametrize("launcher", [pytest.param("deepspeed", marks=pytest.mark.deepspeed),
+                                      pytest.param("torchrun", marks=pytest.mark.native),
+                                      pytest.param("accelerate", marks=pytest.mark.native)])
+def test_hf_llama_example_trains_tp2_pp2_on_local_data(launcher, tmp_path):
+    """examples/hf_llama.py: a transformers Llama from a config, the shipped JSONL through engine.dataloader (dict
+    batches), cpu_tp2_pp2 on 4 processes, a save; the loss falls, the checkpoint is written."""
+    need("transformers")
+    need("datasets")
+    if launcher != "torchrun":
+        need(launcher)
+    cmd = launcher_argv(launcher, 4) + [str(ROOT / "examples" / "hf_llama.py"), "--steps", "4",
+                                        "--save", str(tmp_path / "ckpt")]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=cpu_env())
+    finally:
+        if launcher == "deepspeed":
+            release_deepspeed_shm(cmd[cmd.index("--master_port") + 1])
+    assert out.returncode == 0, out.stderr[-4000:]
+    backend = {"deepspeed": "deepspeed", "torchrun": _auto_backend(), "accelerate": "native"}[launcher]
+    assert _start_line(out.stderr).startswith(f"start: {backend} on cpu, gloo, data 1 x tensor 2 x pipeline 2"), \
+        out.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"^step \d+: loss (\S+)$", out.stdout, re.M)]
+    assert len(losses) == 4 and losses[-1] < losses[0], out.stdout[-2000:]
+    assert any((tmp_path / "ckpt").iterdir())

@@ -74,16 +74,20 @@ class DeepSpeedEngine(Engine):
         self.loss_fn = loss_fn
         self.pipelined = pipelined
 
+    def stage_micro_batches(self, batch) -> list:
+        """The PipelineModule's micro-batches: ``(first stage's input, labels)`` each (:meth:`first_stage_input`)."""
+        return [(self.first_stage_input(x), y) for x, y in self.micro_batches(batch)]
+
     def train_step(self, batch) -> float:
         self.ds.train()
         if self.pipelined:
-            loss = self.ds.train_batch(data_iter=iter(self.micro_batches(batch)))
+            loss = self.ds.train_batch(data_iter=iter(self.stage_micro_batches(batch)))
             self.step_count += 1
             return float(loss.item())
         micro = self.micro_batches(batch)
         losses, mean_loss = [], None
         for i, (inputs, labels) in enumerate(micro):
-            loss = self.loss_fn(self.ds(inputs), labels)
+            loss = self.loss_fn(self.call_model(self.ds, inputs), labels)
             losses.append(loss.detach().float())
             if i == len(micro) - 1:  # every loss is known: average them while the last backward runs
                 mean_loss = self.start_mean_over_data(torch.stack(losses).mean())
@@ -96,10 +100,10 @@ class DeepSpeedEngine(Engine):
     def eval_step(self, batch) -> float:
         self.ds.eval()
         if self.pipelined:
-            loss = self.ds.eval_batch(data_iter=iter(self.micro_batches(batch)),
+            loss = self.ds.eval_batch(data_iter=iter(self.stage_micro_batches(batch)),
                                       num_micro_batches=self.layout.grad_accum)
             return float(loss.item())
-        losses = [self.loss_fn(self.ds(x), y).detach().float() for x, y in self.micro_batches(batch)]
+        losses = [self.loss_fn(self.call_model(self.ds, x), y).detach().float() for x, y in self.micro_batches(batch)]
         return self.mean_over_data(torch.stack(losses).mean())
 
     # ------------------------------------------------------------------ checkpoints (plugin/checkpoint/)
@@ -183,6 +187,7 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
         loss_fn = module.loss_fn = loss_for(groups.tensor_group)
         if layout.tensor > 1:
             apply_tp(model, groups.tensor_group, pp_rank=groups.pp_rank)
+            layers_of(model)  # re-syncs a transformers stage list with the sharded modules (hf_stages)
         count_each_gradient_once(module, groups.tp_rank)
         module.to(device)
         mpu = None  # DeepSpeed requires mpu=None with a PipelineModule; it uses the module's grid

@@ -21,7 +21,8 @@ own FSDP2 unit, then the root. Tensor parallelism shards the model first with th
 tensors, one slice per tensor rank), so FSDP2 shards those slices further over the data group. Pipelines
 (``pipeline > 1``) are in :mod:`.pipeline`. Every engine clips by the global norm
 (:mod:`plugin.distributed.clipping`) and averages the loss as the DeepSpeed back end does: mean over micro-batches, then
-over data ranks, the same float on every rank.
+over data ranks, the same float on every rank (with the default token-weighted loss, the mean over the global
+batch's target tokens: :class:`plugin.tensor_parallel.hooks.TokenLoss`).
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ class DataParallelEngine(NativeEngine):
         for i, (inputs, labels) in enumerate(micro):
             with self._before_micro_batch(i == len(micro) - 1):
                 with self.autocast():
-                    loss = self.loss_fn(self.wrapped(inputs), labels)
+                    loss = self.loss_fn(self.call_model(self.wrapped, inputs), labels)
                 self.scale(loss / len(micro)).backward()
             losses.append(loss.detach().float())
         self.optimizer_step()
@@ -75,7 +76,7 @@ class DataParallelEngine(NativeEngine):
         losses = []
         for inputs, labels in self.micro_batches(batch):
             with self.autocast():
-                losses.append(self.loss_fn(self.wrapped(inputs), labels).detach().float())
+                losses.append(self.loss_fn(self.call_model(self.wrapped, inputs), labels).detach().float())
         if self.data_sharded:
             reshard_all(self.wrapped)
         return self.mean_over_data(torch.stack(losses).mean())

@@ -52,7 +52,10 @@ class StageModule(nn.Module):
         self.checkpoint_interval = checkpoint_interval
         self.rngs = tensor_parallel_rngs(self) if checkpoint_interval else []
 
-    def forward(self, x):
+    def forward(self, *xs):
+        # The schedule passes a tuple between stages as separate arguments (a transformers stage list's
+        # (hidden, mask, positions)); the layers take it as one tuple, as DeepSpeed's PipelineModule gives it.
+        x = xs[0] if len(xs) == 1 else xs
         layers = list(self.layers.values())
         k = self.checkpoint_interval
         if not k or not torch.is_grad_enabled():
@@ -99,7 +102,8 @@ class PipelineEngine(NativeEngine):
     def _run(self, batch, train: bool) -> float:
         inputs, labels = self.local_batch(batch)
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.holds_first else ()
+        first = self.first_stage_input(inputs)
+        args = (first if isinstance(first, tuple) else (first,)) if self.holds_first else ()
         target = labels if self.holds_last else None
         for stage in self.stages:
             stage.submod.train(train)

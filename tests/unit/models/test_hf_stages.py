@@ -1,0 +1,95 @@
+"""A transformers causal LM as pipeline layers (plugin.models.hf_stages): composed on one process the stage list is
+bitwise the model's own forward (``use_cache=False``) and gradients, for Llama, Qwen2 with sliding layers, Mistral
+with a sliding window and GPT-2, with no mask, right/left padding and packed positions; the stage parameters are
+exactly the model's; the wrappers follow modules swapped after they were made (the tensor-parallel plan)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+tf = pytest.importorskip("transformers")
+
+from plugin.errors import PluginError  # noqa: E402
+from plugin.models.hf_stages import first_stage_inputs, is_hf_model, stage_layers  # noqa: E402
+
+DIMS = dict(vocab_size=61, hidden_size=16, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=32, max_position_embeddings=32)
+
+
+def build(kind):
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if kind == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**DIMS))
+    if kind == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**DIMS, use_sliding_window=True, sliding_window=3,
+                                                  max_window_layers=1))
+    if kind == "mistral":
+        return tf.MistralForCausalLM(tf.MistralConfig(**DIMS, sliding_window=4))
+    return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=61, n_embd=16, n_layer=3, n_head=4, n_positions=32,
+                                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def batches():
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 61, (3, 10), generator=gen)
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[0, 7:] = 0  # right padding
+    mask[1, :4] = 0  # left padding
+    packed = torch.tensor([list(range(4)) + list(range(6))] * 3)  # two documents per row
+    return {"none": {"input_ids": ids}, "padded": {"input_ids": ids, "attention_mask": mask},
+            "packed": {"input_ids": ids, "position_ids": packed}}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2"])
+def test_stage_list_is_the_models_own_forward_and_gradients(kind):
+    model = build(kind)
+    layers = stage_layers(model)
+    assert {id(p) for layer in layers for p in layer.parameters()} == {id(p) for p in model.parameters()}
+    assert type(layers[1]).__name__ == "DecoderLayer" and len(layers) == 5
+    for case, batch in batches().items():
+        ref = model(**batch, use_cache=False).logits
+        ref.square().mean().backward()
+        ref_grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        x = first_stage_inputs(batch)
+        for layer in layers:
+            x = layer(x)
+        assert torch.equal(x, ref), f"{kind} {case}: {(x - ref).abs().max()}"
+        x.square().mean().backward()
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), ref_grads, strict=True)), case
+        model.zero_grad()
+
+
+def test_wrappers_follow_swapped_modules_and_the_cache_is_reused():
+    model = build("llama")
+    first = stage_layers(model)
+    model.lm_head = torch.nn.Linear(16, 61, bias=False)  # what a tensor-parallel plan does to the head
+    again = stage_layers(model)
+    assert again[-1] is first[-1] and again[-1].head is model.lm_head
+
+
+def test_refusals_name_the_fix():
+    assert is_hf_model(build("gpt2")) and not is_hf_model(torch.nn.Linear(2, 2))
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(PluginError, match="token_type_ids"):
+        first_stage_inputs({"input_ids": ids, "token_type_ids": ids})
+    with pytest.raises(PluginError, match="length 1"):
+        first_stage_inputs({"input_ids": ids[:, :1]})
+    with pytest.raises(PluginError, match="2-D attention_mask"):
+        first_stage_inputs({"input_ids": ids, "attention_mask": torch.ones(2, 1, 5, 5)})
+    mask = first_stage_inputs({"input_ids": ids})[1]
+    assert mask.shape == (2, 1) and mask.dtype == torch.int64
+
+
+def test_transformers_gradient_checkpointing_is_refused_for_the_recipes_block():
+    from plugin.engines.model_checks import check_model
+    from plugin.recipe.checks import load_recipe
+
+    model = build("llama")
+    recipe = load_recipe("cpu_single")
+    assert not [p for p in check_model(model, recipe) if p.is_error]
+    model.gradient_checkpointing_enable()
+    errors = [p.format() for p in check_model(model, recipe) if p.is_error]
+    assert len(errors) == 1 and "$.activation_checkpointing" in errors[0]
+    assert "gradient_checkpointing_enable" in errors[0]
