@@ -29,6 +29,9 @@ def parse_args(argv=None):
     p.add_argument("--recipe", required=True, help="a recipe path or a shipped recipe's name (cpu_dp4)")
     p.add_argument("--steps", type=int, default=50, help="train until this optimizer step (default 50)")
     p.add_argument("--seed", type=int, default=0, help="model init and data order")
+    p.add_argument("--init", choices=["meta", "eager"], default="meta",
+                   help="meta (default): build on the meta device, each rank materialises only what it holds; "
+                        "eager: build the whole model on every rank first (the same values)")
     p.add_argument("--metrics", help="rank 0 writes {step, loss, tokens_per_s} JSON lines here; "
                    "a path with {rank} in it: every rank writes its own")
     p.add_argument("--save", metavar="DIR", help="save a checkpoint there after the last step")
@@ -84,7 +87,9 @@ def main(argv=None):
 
     torch.manual_seed(args.seed)  # the same whole model on every rank; the plugin shards it
     try:
-        engine = plugin.initialize(build_model(args.model, recipe.model), recipe)
+        model = (lambda: build_model(args.model, recipe.model)) if args.init == "meta" else \
+            build_model(args.model, recipe.model)
+        engine = plugin.initialize(model, recipe, seed=args.seed)
     except RecipeError:
         return 2  # rank 0 already printed every problem
     except PluginError as e:
