@@ -34,8 +34,10 @@ def parse_args(argv=None):
                         "eager: build the whole model on every rank first (the same values)")
     p.add_argument("--metrics", help="rank 0 writes {step, loss, tokens_per_s} JSON lines here; "
                    "a path with {rank} in it: every rank writes its own")
-    p.add_argument("--save", metavar="DIR", help="save a checkpoint there after the last step")
-    p.add_argument("--resume", metavar="DIR", help="resume from a checkpoint written by --save")
+    p.add_argument("--save", metavar="DIR", help="save a checkpoint there after the last step (DIR/step-N, DIR/latest)")
+    p.add_argument("--save-every", type=int, metavar="N", help="also save every N steps (needs --save)")
+    p.add_argument("--keep", type=int, metavar="K", help="keep the last K complete checkpoints under --save")
+    p.add_argument("--resume", metavar="DIR", help="resume from the last complete checkpoint under DIR")
     p.add_argument("--model", default="gpt", choices=["gpt", "gpt2", "llama"],
                    help="gpt: the reference GPT; gpt2/llama: transformers models from the recipe's dims")
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # deepspeed passes it
@@ -98,6 +100,10 @@ def main(argv=None):
     offset_default_stream_by_stage(engine.groups.pp_rank)  # each stage its own dropout masks (Megatron's seeds)
 
     data = TextBatches(recipe.model.vocab, recipe.model.seq_len, seed=args.seed)  # its own generator
+    if (args.save_every or args.keep) and not args.save:
+        print("--save-every and --keep need --save DIR", file=sys.stderr)
+        return 2
+    save_kwargs = {"keep": args.keep}
     start = engine.load(args.resume)["step"] if args.resume else 0
     main_rank = engine.is_main
     metrics = None
@@ -115,9 +121,11 @@ def main(argv=None):
         if metrics:
             metrics.write(json.dumps({"step": step + 1, "loss": loss, "tokens_per_s": tokens_per_s}) + "\n")
             metrics.flush()
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            engine.save(args.save, **save_kwargs)
     elapsed = time.perf_counter() - t0
     if args.save:
-        engine.save(args.save)
+        engine.save(args.save, **save_kwargs)
     eval_loss = engine.eval_step(data.global_batch(0, engine.layout.global_batch, split="eval"))
     if main_rank and losses:
         lay = engine.layout

@@ -1,7 +1,7 @@
-"""``python -m plugin`` (and the ``parallel-recipe`` script): validate, show, export, import, estimate, plan.
+"""``python -m plugin`` (the ``parallel-recipe`` script): validate, show, export, import, estimate, plan, checkpoint.
 
 Each command is a module in :mod:`plugin.cli` with ``register(subparsers)`` and ``run(args) -> int``.
-None of them imports torch, deepspeed or accelerate: they answer in milliseconds.
+None of them imports torch, deepspeed or accelerate: they answer in milliseconds (``checkpoint export`` runs a child).
 Exit codes: 0 fine (warnings on stderr), 1 usage error, 2 invalid recipe, 3 it does not fit
 (``estimate`` and ``plan``).
 """
@@ -13,7 +13,7 @@ import sys
 
 from .common import run_command
 
-COMMANDS = ["validate", "show", "export", "import_", "estimate", "plan"]
+COMMANDS = ["validate", "show", "export", "import_", "estimate", "plan", "checkpoint"]
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

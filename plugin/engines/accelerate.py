@@ -21,8 +21,8 @@ The Accelerator is fed from the recipe, not from the launch flags:
 
 Rank 0 prints which of these carries the recipe, and why. After the Accelerator exists, its distributed type
 and process count are asserted against the launch (Accelerate's silent traps exit 0 with unsynchronised
-copies). Checkpoints are ``save_state`` / ``load_state`` (model, optimizer, RNG states, scaler) with the
-step and client_state registered on them.
+copies). Checkpoints are the checkpoint room's format (:mod:`plugin.checkpoint`), through the native adapter's
+case (DDP) or the DeepSpeed adapter (its DeepSpeed plugin), so they load into any other back end and layout.
 """
 from __future__ import annotations
 
@@ -44,19 +44,6 @@ from .optim import build_optimizer
 from .precision import loss_scaler_kwargs
 
 
-class _Progress:
-    """The step counter and client_state, saved and loaded by ``save_state``/``load_state``."""
-
-    def __init__(self):
-        self.step, self.client_state = 0, {}
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "client_state": dict(self.client_state)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step, self.client_state = int(state["step"]), dict(state.get("client_state", {}))
-
-
 class AccelerateEngine(Engine):
     backend = "accelerate"
 
@@ -65,8 +52,6 @@ class AccelerateEngine(Engine):
         super().__init__(recipe, layout, topology, groups, model, accelerator.device)
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
         self.loss_fn, self.mode = loss_fn, mode
-        self.progress = _Progress()
-        accelerator.register_for_checkpointing(self.progress)
         if mode == "deepspeed":
             # DeepSpeed casts the module to bf16/fp16 itself and Accelerate does not autocast around it: float
             # inputs must come in that dtype (as on the DeepSpeed engine). Asked of the engine, not re-derived.
@@ -95,17 +80,69 @@ class AccelerateEngine(Engine):
         losses = [self.loss_fn(self.model(x), y).detach().float() for x, y in self.micro_batches(batch)]
         return self.mean_over_data(torch.stack(losses).mean())
 
-    def save(self, directory: str, client_state: dict | None = None) -> None:
-        self.progress.step, self.progress.client_state = self.step_count, dict(client_state or {})
-        self.accelerator.save_state(directory, safe_serialization=False)
+    # ------------------------------------------------------------------ checkpoints (plugin/checkpoint/)
+    # The checkpoint room's format, as on the other back ends: Accelerate's DDP holds whole parameters and a torch
+    # optimizer (the native adapter's case), its DeepSpeed plugin a DeepSpeed engine (the DeepSpeed adapter's).
+    def save(self, directory: str, client_state: dict | None = None, *, keep: int | None = None):
+        from ..checkpoint import adapt
+
+        return adapt.save(self, directory, client_state, keep=keep)
 
     def load(self, directory: str) -> dict:
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(f"no Accelerate checkpoint under {directory!r} -> give the directory that "
-                                    "--save wrote")
-        self.accelerator.load_state(directory)
-        self.step_count = self.progress.step
-        return {"step": self.step_count, **self.progress.client_state}
+        from ..checkpoint import adapt
+
+        return adapt.load(self, directory)
+
+    @property
+    def ds(self):
+        return self.accelerator.deepspeed_engine_wrapped.engine
+
+    @property
+    def scaler(self):
+        return self.accelerator.scaler
+
+    def named_local_params(self) -> dict:
+        if self.mode == "deepspeed":
+            from .deepspeed import state
+
+            return state.named_local_params(self)
+        return dict(self.whole_model.named_parameters())
+
+    def local_optimizer(self):
+        if self.mode == "deepspeed":
+            from .deepspeed import state
+
+            return state.local_optimizer(self)
+        return getattr(self.optimizer, "optimizer", self.optimizer)  # inside Accelerate's wrapper
+
+    def checkpoint_pieces(self, name, p, global_shape, key):
+        if self.mode != "deepspeed":
+            from ..checkpoint.adapt import pieces_of
+            from ..checkpoint.boxes import TensorLayout
+
+            return pieces_of(p, global_shape, self.tp_layouts.get(name, TensorLayout()), 0, 1)
+        from .deepspeed import state
+
+        return state.checkpoint_pieces(self, name, p, global_shape, key)
+
+    def checkpoint_extra(self, params, for_load):
+        if self.mode != "deepspeed":
+            return {}, []
+        from .deepspeed import state
+
+        return state.extra_entries(self, params, for_load)
+
+    def before_load(self):
+        if self.mode == "deepspeed":
+            from .deepspeed import state
+
+            state.before_load(self)
+
+    def after_load(self, manifest):
+        if self.mode == "deepspeed":
+            from .deepspeed import state
+
+            state.after_load(self, manifest)
 
     def close(self) -> None:
         if self.mode == "deepspeed" and torch.distributed.is_initialized():

@@ -162,6 +162,12 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
     from ..tensor_parallel.hooks import tensor_parallel_hooks  # imports torch: not before the checks have passed
 
     apply_tp, loss_for = tensor_parallel_hooks(model, recipe, loss_fn)
+    from ..checkpoint.adapt import model_index, recording_tp
+
+    index = model_index(model)  # checkpoints name every tensor as the unsharded model does, with its global shape
+    cuts = apply_tp.cuts
+    apply_tp, tp_layouts = recording_tp(apply_tp)  # each sharded parameter's layout, before FSDP2 replaces it
+    apply_tp.cuts = cuts  # the plan's cuts, which materialising a meta model re-runs on whole values
     if backend == "deepspeed":
         from .deepspeed.engine import build
     elif backend == "native":
@@ -174,6 +180,7 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
                                 layers_of=layers_of, apply_tp=apply_tp, loss_for=loss_for,
                                 seed=_seed(seed), units=tuple(units)))
     _check_nothing_left_on_meta(engine)
+    engine.model_index, engine.tp_layouts, engine.whole_model = index, tp_layouts, model
     if env.is_main:  # here, not in each back end: every back end passes this line
         print(f"{recipe.source or recipe.name}: {startup_line(engine)}", file=sys.stderr, flush=True)
     return engine

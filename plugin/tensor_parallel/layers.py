@@ -52,6 +52,13 @@ def linear_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None
     raise TypeError(f"{type(module).__name__} is not a linear layer")
 
 
+def _record_transposed(layer: nn.Module, source: nn.Module) -> None:
+    """A ``Conv1D`` source stores ``[in, out]``: its sharded weight (``[out, in]`` here) says so, for checkpoints
+    that write it under the source's name and shape. Never guessed from shapes: a square one looks untransposed."""
+    if type(source).__name__ == "Conv1D":
+        layer.weight.partition_transposed = True
+
+
 def _param(tensor: torch.Tensor, requires_grad: bool) -> nn.Parameter:
     return nn.Parameter(tensor.detach(), requires_grad=requires_grad)
 
@@ -95,6 +102,7 @@ class ColumnParallelLinear(_ParallelLinear):
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer._shard_from(weight, bias, tp_group, gather_output, sequence_parallel, parts)
+        _record_transposed(layer, module)
         return layer
 
     def _shard_from(self, weight, bias, tp_group, gather_output, sequence_parallel, parts) -> None:
@@ -193,6 +201,7 @@ class RowParallelLinear(_ParallelLinear):
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer._shard_from(weight, bias, tp_group, input_is_parallel, sequence_parallel)
+        _record_transposed(layer, module)
         return layer
 
     def _shard_from(self, weight, bias, tp_group, input_is_parallel, sequence_parallel) -> None:

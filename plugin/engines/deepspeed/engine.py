@@ -19,7 +19,7 @@ Activation checkpointing (``activation_checkpoint_interval >= 1``): the Pipeline
 ranges with :func:`plugin.tensor_parallel.recompute.checkpoint` (torch's non-reentrant checkpoint, replaying the
 tensor-parallel dropout streams), the native pipeline's function.
 
-Checkpoints: DeepSpeed's own, plus each rank's random state (:meth:`DeepSpeedEngine.save`).
+Checkpoints: the checkpoint room's format, DeepSpeed's partitions read in place (:mod:`.state`).
 
 Precision: under bf16 / fp16 DeepSpeed casts the model itself, so floating inputs are cast to that dtype
 as they enter (:attr:`~plugin.engines.base.Engine.input_dtype`); integer token ids and labels are not.
@@ -42,16 +42,10 @@ from ..base import Engine
 from ..context import BuildContext
 from ..optim import build_optimizer, param_groups
 from ..precision import compute_dtype
-from ..rng_state import restore_rng_state, rng_state
 from ..shm import release_shm_buffer
+from . import state
 from .config import engine_config
 from .optimizer import choose_optimizer
-
-_TAG = "latest_step"  # the one checkpoint a directory holds
-
-
-def _rng_file(directory: str, rank) -> str:
-    return os.path.join(directory, _TAG, f"rng_rank{rank}.pt")
 
 
 def _stage_class(pipeline_module):
@@ -122,37 +116,36 @@ class DeepSpeedEngine(Engine):
         losses = [self.loss_fn(self.ds(x), y).detach().float() for x, y in self.micro_batches(batch)]
         return self.mean_over_data(torch.stack(losses).mean())
 
-    def save(self, directory: str, client_state: dict | None = None) -> None:
-        """DeepSpeed's checkpoint (``DIR/latest_step/``, the step in its client_state) and each rank's random state
-        (``DIR/latest_step/rng_rank{R}.pt``: torch's and CUDA's generators, the tensor-parallel dropout streams;
-        :mod:`plugin.engines.rng_state`). DeepSpeed writes its client_state from data rank 0 only, so the
-        random state, which differs from rank to rank, goes in a file of each rank's own."""
-        import torch.distributed as dist
+    # ------------------------------------------------------------------ checkpoints (plugin/checkpoint/)
+    def save(self, directory: str, client_state: dict | None = None, *, keep: int | None = None):
+        """The checkpoint room's format (:mod:`.state`): DeepSpeed's partitions as pieces of the unsharded tensors,
+        so any layout and the native back end read it."""
+        from ...checkpoint import adapt
 
-        self.ds.save_checkpoint(directory, tag=_TAG, client_state={"step": self.step_count, **(client_state or {})})
-        path = _rng_file(directory, dist.get_rank())
-        os.makedirs(os.path.dirname(path), exist_ok=True)  # DeepSpeed writes nothing on some data ranks
-        torch.save(rng_state(self.module), path)
-        dist.barrier()
+        return adapt.save(self, directory, client_state, keep=keep)
 
     def load(self, directory: str) -> dict:
-        import torch.distributed as dist
+        from ...checkpoint import adapt
 
-        rng_file = _rng_file(directory, dist.get_rank())
-        # Agreed before DeepSpeed loads anything (it talks to the peers): a rank whose file is missing would
-        # otherwise leave the others waiting in DeepSpeed's load.
-        missing = torch.tensor([0 if os.path.exists(rng_file) else 1], device=self.device)
-        dist.all_reduce(missing, op=dist.ReduceOp.MAX)
-        if missing.item():
-            raise FileNotFoundError(f"{_rng_file(directory, 'R')} is missing on some rank: no DeepSpeed checkpoint of "
-                                    f"this engine under {directory!r}, or one written by fewer ranks -> resume from "
-                                    "the directory given to --save, with the same number of processes")
-        path, state = self.ds.load_checkpoint(directory, tag=_TAG)
-        if path is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory!r} (expected {directory}/{_TAG})")
-        restore_rng_state(self.module, torch.load(rng_file, weights_only=False), rng_file)
-        self.step_count = int(state.get("step", 0))
-        return state
+        return adapt.load(self, directory)
+
+    def named_local_params(self) -> dict:
+        return state.named_local_params(self)
+
+    def local_optimizer(self):
+        return state.local_optimizer(self)
+
+    def checkpoint_pieces(self, name, p, global_shape, key):
+        return state.checkpoint_pieces(self, name, p, global_shape, key)
+
+    def checkpoint_extra(self, params, for_load):
+        return state.extra_entries(self, params, for_load)
+
+    def before_load(self):
+        state.before_load(self)
+
+    def after_load(self, manifest):
+        state.after_load(self, manifest)
 
     def close(self) -> None:
         """As every engine's, and unlink DeepSpeed's leaked shared-memory buffer (:func:`release_shm_buffer`)."""
@@ -216,6 +209,10 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
         module = apply_tp(model, groups.tensor_group) if layout.tensor > 1 else model
         # at tensor 1 DeepSpeed's own groups are the plugin's (its data group is the world): no mpu to hand it
         mpu = groups if layout.tensor > 1 else None
+        if mpu is None:  # DeepSpeed keeps the last engine's mpu as a module global: a second engine would read it
+            from deepspeed.utils import groups as ds_groups
+
+            ds_groups.mpu = None
 
     # buckets sized to what this rank holds: its stage, its tensor shards (meta shapes: numel is 0 once partitioned)
     numels = tuple(p.numel() for p in module.parameters())

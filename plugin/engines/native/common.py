@@ -142,8 +142,14 @@ class NativeEngine(Engine):
         self.step_count += 1
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, directory: str, client_state: dict | None = None) -> None:
-        state.save(self, directory, client_state)
+    def save(self, directory: str, client_state: dict | None = None, *, keep: int | None = None):
+        return state.save(self, directory, client_state, keep=keep)
+
+    def named_local_params(self) -> dict:
+        return state.named_local_params(self)
+
+    def local_optimizer(self):
+        return state.local_optimizer(self)
 
     def load(self, directory: str) -> dict:
         return state.load(self, directory)

@@ -1,0 +1,145 @@
+"""Checkpoint save/load/export against raw DCP and DeepSpeed's own, on the same state (issue 13's bench).
+
+One DeepSpeed ZeRO engine (default ZeRO-3, 2 CPU processes, gloo) of the reference GPT, one optimizer step so Adam's
+moments exist; then on that state, each timed --repeat times (median, barriers around):
+
+* plugin: ``engine.save`` / ``engine.load`` (pieces, crc32 of every file, manifest, rename; DCP with sync_files);
+* raw DCP: ``dcp.save`` / ``dcp.load`` of the same local tensors (each piece's view under its own key) with the
+  default planners (the same bytes; no pieces, checksums, manifest or fsync);
+* DeepSpeed: ``save_checkpoint`` / ``load_checkpoint`` (torch.save, no fsync).
+
+Then, in fresh processes: ``python -m plugin checkpoint export`` of the plugin's checkpoint against DeepSpeed's
+``zero_to_fp32`` (``convert_zero_checkpoint_to_fp32_state_dict``, safetensors) of DeepSpeed's; time and peak RSS
+(``ru_maxrss`` of the child) minus the peak of a child that only imports torch (the baseline).
+
+Usage: python bench/checkpoint.py [--hidden 1024] [--layers 8] [--vocab 8192] [--zero 3] [--repeat 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _recipe(args, tmp: Path) -> Path:
+    data = json.loads((ROOT / "recipes" / "cpu_dp4.json").read_text())
+    data.pop("$schema", None)
+    data.update(name="bench_checkpoint", parallelism={"data": 2, "tensor": 1, "pipeline": 1},
+                zero={"stage": args.zero}, batch={"global": 4, "micro": 2})
+    data["model"] = {"layers": args.layers, "hidden": args.hidden, "heads": 16, "vocab": args.vocab,
+                     "seq_len": 128, "ffn_hidden": 4 * args.hidden, "dropout": 0.0}
+    path = tmp / "bench_checkpoint.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _timed(fn, repeat):
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(repeat):
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        dist.barrier()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _rank(rank, world, port, recipe_path, tmp, repeat, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
+                      DS_ACCELERATOR="cpu")
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import plugin
+    from plugin.checkpoint.adapt import local_state
+    from plugin.data.text import TextBatches
+    from plugin.models.gpt import GPT, GPTConfig
+    from plugin.recipe.checks import load_recipe
+
+    torch.set_num_threads(1)
+    recipe = load_recipe(recipe_path)
+    torch.manual_seed(0)
+    engine = plugin.initialize(GPT(GPTConfig.from_recipe_model(recipe.model)), recipe, backend="deepspeed")
+    data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
+    engine.train_step(data.global_batch(0, engine.layout.global_batch))
+    state = local_state(engine, for_load=False)
+    raw = {f"{n}@{','.join(map(str, p.offsets))}@{rank}": p.view.detach().contiguous()
+           for n, e in state.entries.items() for p in e.pieces}
+    nbytes = sum(t.numel() * t.element_size() for t in raw.values())
+    res = {"bytes": nbytes}
+    res["plugin_save"] = _timed(lambda: engine.save(f"{tmp}/plugin"), repeat)
+    res["plugin_load"] = _timed(lambda: engine.load(f"{tmp}/plugin"), repeat)
+    res["dcp_save"] = _timed(lambda: dcp.save(raw, checkpoint_id=f"{tmp}/dcp"), repeat)
+    res["dcp_load"] = _timed(lambda: dcp.load(raw, checkpoint_id=f"{tmp}/dcp"), repeat)
+    res["ds_save"] = _timed(lambda: engine.ds.save_checkpoint(f"{tmp}/ds", tag="t"), repeat)
+    res["ds_load"] = _timed(lambda: engine.ds.load_checkpoint(f"{tmp}/ds", tag="t"), repeat)
+    Path(out, f"{rank}.json").write_text(json.dumps(res))
+    engine.close()
+
+
+def _child_peak(code_or_argv) -> tuple[float, float]:
+    """(seconds, peak RSS MiB) of a fresh python child."""
+    argv = [sys.executable, "-c", code_or_argv] if isinstance(code_or_argv, str) else [sys.executable] + code_or_argv
+    t = time.perf_counter()
+    pid = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},
+                           stdout=subprocess.DEVNULL).pid
+    _, status, usage = os.wait4(pid, 0)
+    assert status == 0, argv
+    return time.perf_counter() - t, usage.ru_maxrss / 1024
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--zero", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args()
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as out:
+        tmp = Path(tmp)
+        recipe = _recipe(args, tmp)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_rank, args=(2, port, str(recipe), str(tmp), args.repeat, out), nprocs=2, join=True)
+        ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(2)]
+        base_t, base = _child_peak("import torch, safetensors")
+        ours_t, ours = _child_peak(["-m", "plugin.checkpoint.export", str(tmp / "plugin"), "-o", str(tmp / "exp")])
+        theirs_t, theirs = _child_peak(
+            "from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict as c; "
+            f"c({str(tmp / 'ds')!r}, {str(tmp / 'z2f')!r}, tag='t', safe_serialization=True)")
+        model_bytes = sum(f.stat().st_size for f in (tmp / "exp").glob("*.safetensors"))
+    r = {k: max(x[k] for x in ranks) for k in ranks[0]}
+    print(f"model {model_bytes / 2**20:.0f} MiB fp32, ZeRO-{args.zero} on 2 CPU processes; state per rank "
+          f"{r['bytes'] / 2**20:.0f} MiB (params + Adam moments); medians of {args.repeat}, slower rank")
+    rows = [("save vs raw DCP", r["plugin_save"], r["dcp_save"], "<= 1.2"),
+            ("load vs raw DCP", r["plugin_load"], r["dcp_load"], "<= 1.2"),
+            ("save vs DeepSpeed", r["plugin_save"], r["ds_save"], "<= 1.0"),
+            ("load vs DeepSpeed", r["plugin_load"], r["ds_load"], "<= 1.0"),
+            ("export time vs zero_to_fp32", ours_t, theirs_t, "-"),
+            ("export peak RSS over baseline (MiB) vs zero_to_fp32", ours - base, theirs - base, "<= 0.3")]
+    print(f"{'operation':<52} {'plugin':>9} {'baseline':>9} {'ratio':>7} {'goal':>7}")
+    for name, a, b, goal in rows:
+        print(f"{name:<52} {a:9.2f} {b:9.2f} {a / b if b else float('nan'):7.2f} {goal:>7}")
+    print(f"(import-only baseline child: {base:.0f} MiB peak RSS; plugin save includes fsync of every file, "
+          "crc32 and the manifest; DeepSpeed's and raw DCP's do not fsync)")
+
+
+if __name__ == "__main__":
+    main()

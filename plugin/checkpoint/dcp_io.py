@@ -1,0 +1,180 @@
+"""torch.distributed.checkpoint (DCP) driven by pieces: our planners, and a reader that runs no code.
+
+* :class:`PieceSavePlanner`: one DCP ``WriteItem`` per piece, under the unsharded tensor's name with its global
+  shape. DCP's own global plan dedups replicas (same name and offsets) and validates that the chunks of every
+  tensor neither overlap nor leave holes, so a layout bug fails the save naming the tensor.
+* :class:`PieceLoadPlanner`: asks DCP's public ``create_read_items_for_chunk_list`` for the reads that fill each
+  piece in place (resharding on read: any saved chunks against any requested boxes), and checks that the saved
+  chunks cover every piece (DCP does not: a hole would leave the destination as it was, silently).
+* :class:`SafeReader`: DCP's ``.metadata`` is a pickle and the stock reader ``pickle.load``s it (a planted file
+  runs code); ours unpickles only the classes DCP writes. Tensor items are read with ``weights_only=True`` (the
+  stock path); byte items are never written nor read.
+"""
+from __future__ import annotations
+
+import math
+import pickle
+import zlib
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from ..errors import PluginError
+from .boxes import Entry
+
+
+class CheckpointError(PluginError):
+    """A checkpoint that cannot be read as it is: missing, truncated, corrupted, or not this model's."""
+
+
+def piece_key(name: str, offsets) -> str:
+    return f"{name}@{','.join(str(o) for o in offsets)}"
+
+
+def crc_of(view: torch.Tensor) -> int:
+    """crc32 of a piece's bytes (row-major, as DCP writes it)."""
+    t = view.detach().contiguous().cpu()
+    return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy().tobytes()) if t.numel() else 0
+
+
+class PieceSavePlanner(DefaultSavePlanner):
+    """``state_dict``: ``{name: Entry}``; every piece is one shard of its global tensor."""
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
+        self.state_dict, self.is_coordinator = state_dict, is_coordinator
+        self.flatten_state_dict = False
+        self.mappings = {}
+        self._views = {}
+
+    def create_local_plan(self):
+        items = []
+        for name, entry in self.state_dict.items():
+            for p in entry.pieces:
+                offsets = torch.Size(p.offsets)
+                items.append(WriteItem(index=MetadataIndex(name, offsets), type=WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(
+                                           chunk=ChunkStorageMetadata(offsets=offsets, sizes=p.view.shape),
+                                           properties=TensorProperties.create_from_tensor(p.view),
+                                           size=torch.Size(entry.shape))))
+                self._views[(name, tuple(p.offsets))] = p.view
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item):
+        return self._views[(write_item.index.fqn, tuple(write_item.index.offset))].detach()
+
+
+class PieceLoadPlanner(LoadPlanner):
+    """``state_dict``: ``{name: Entry}``: each piece's view is filled in place from the checkpoint."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+        self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
+
+    def create_local_plan(self):
+        problems, requests = [], []
+        md = self.metadata.state_dict_metadata
+        for name, entry in self.state_dict.items():
+            saved = md.get(name)
+            if not isinstance(saved, TensorStorageMetadata):
+                problems.append(f"{name}: not in the checkpoint")
+                continue
+            if tuple(saved.size) != tuple(entry.shape):
+                problems.append(f"{name}: checkpoint shape {tuple(saved.size)}, this run {tuple(entry.shape)}")
+                continue
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=p.view.shape) for p in entry.pieces]
+            reads = create_read_items_for_chunk_list(name, saved, chunks)
+            got = [0] * len(entry.pieces)
+            for r in reads:
+                got[r.dest_index.index] += math.prod(r.lengths)
+            for p, n in zip(entry.pieces, got, strict=True):
+                if n != p.view.numel():  # DCP would leave the uncovered part as it was
+                    problems.append(f"{name}: the checkpoint covers {n} of the {p.view.numel()} elements of the box "
+                                    f"at {tuple(p.offsets)} size {tuple(p.view.shape)}")
+            requests += reads
+        if problems:
+            raise CheckpointError("the checkpoint cannot fill this rank's tensors:\n  " + "\n  ".join(problems))
+        return LoadPlan(requests)
+
+    def create_global_plan(self, global_plan):
+        return global_plan
+
+    def finish_plan(self, central_plan):
+        return central_plan
+
+    def load_bytes(self, read_item, value):
+        raise CheckpointError(f"{read_item.dest_index.fqn}: byte items are never read (they would be unpickled)")
+
+    def resolve_tensor(self, read_item):
+        entry: Entry = self.state_dict[read_item.dest_index.fqn]
+        v = entry.pieces[read_item.dest_index.index].view
+        for d, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
+            v = v.narrow(d, o, n)
+        return v
+
+    def commit_tensor(self, read_item, tensor):
+        pass
+
+
+_ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in
+            ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "BytesStorageMetadata",
+             "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("collections", "OrderedDict"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """Only the classes DCP pickles into ``.metadata`` (found by walking a real one), and torch dtypes/layouts."""
+
+    def find_class(self, module, name):
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                          torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a checkpoint's .metadata")
+
+
+def read_metadata_file(path) -> object:
+    """A DCP ``.metadata`` unpickled with the restricted unpickler; errors name the file."""
+    try:
+        with open(path, "rb") as f:
+            return _SafeUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: not a readable checkpoint metadata file ({e}) -> the file is damaged or was "
+                              "not written by the plugin; resume from another step directory") from None
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with the restricted ``.metadata`` unpickler; reads that fail name the file."""
+
+    def read_metadata(self, *args, **kwargs):
+        metadata = read_metadata_file(self._get_metadata_path(kwargs.get("rank")))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan, planner):
+        try:
+            return super().read_data(plan, planner)
+        except Exception as e:  # noqa: BLE001 - re-raised with the files this rank read
+            files = sorted({self.storage_data[r.storage_index].relative_path for r in plan.items})
+            raise CheckpointError(f"{self.path}: reading {', '.join(files)} failed: {type(e).__name__}: {e} -> the "
+                                  "file is truncated or corrupted; resume from an earlier step directory") from e

@@ -1,0 +1,127 @@
+"""One consolidated safetensors model from a checkpoint, streamed tensor by tensor (``python -m plugin checkpoint
+export`` runs ``python -m plugin.checkpoint.export``): peak memory is one assembled tensor plus one chunk, whatever
+the model size.
+
+safetensors has no incremental writer, so the files are written here in its format: an 8-byte little-endian header
+length, a JSON header ``{name: {dtype, shape, data_offsets}}`` (padded with spaces to 8 bytes), then the data in
+header order. The header is known before any data (names, dtypes and shapes are in DCP's metadata), so each tensor
+is assembled from its chunks (read with ``weights_only=True``), written, and freed. Files of at most 5 GB
+(``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` when split); ``OUT.partial`` is renamed to
+``OUT`` at the end. Tied aliases of the reference GPT are written too (``GPT.load_state_dict`` wants them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from ..errors import PluginError
+from .dcp_io import read_metadata_file
+from .store import open_checkpoint
+
+MAX_FILE = 5_000_000_000
+_ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64", torch.int64: "I64",
+       torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8", torch.bool: "BOOL"}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _assemble(step_dir: Path, md, name: str, dtype: torch.dtype) -> torch.Tensor:
+    meta = md.state_dict_metadata[name]
+    out = torch.empty(tuple(meta.size), dtype=dtype)
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    for chunk in meta.chunks:
+        info = md.storage_data[MetadataIndex(name, chunk.offsets)]
+        with open(step_dir / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            import io
+
+            piece = torch.load(io.BytesIO(f.read(info.length)), map_location="cpu", weights_only=True)
+        box = out
+        for d, (o, n) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+            box = box.narrow(d, o, n)
+        box.copy_(piece)
+        del piece
+    return out
+
+
+def export(directory: str, out: str, dtype: str | None = None) -> dict:
+    step_dir, manifest = open_checkpoint(directory)
+    md = read_metadata_file(step_dir / ".metadata")
+    names = [n for n, t in manifest["tensors"].items() if t["role"] == "param"]
+    aliases = {a: src for a, src in (manifest.get("model") or {}).get("tied", {}).items() if src in names}
+    stored = {n: getattr(torch, manifest["tensors"][n]["dtype"]) for n in names}
+    target = {n: (_DTYPES[dtype] if dtype and stored[n].is_floating_point else stored[n]) for n in names}
+    order = names + sorted(aliases)
+    sizes = {n: math.prod(manifest["tensors"][aliases.get(n, n)]["shape"]) * target[aliases.get(n, n)].itemsize
+             for n in order}
+    files, current, used = [], [], 0
+    for n in order:
+        if current and used + sizes[n] > MAX_FILE:
+            files.append(current)
+            current, used = [], 0
+        current.append(n)
+        used += sizes[n]
+    files.append(current)
+    final, tmp = Path(out), Path(out + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    file_names = ["model.safetensors"] if len(files) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    weight_map = {}
+    for fname, group in zip(file_names, files, strict=True):
+        header, offset = {}, 0
+        for n in group:
+            src = aliases.get(n, n)
+            header[n] = {"dtype": _ST[target[src]], "shape": manifest["tensors"][src]["shape"],
+                         "data_offsets": [offset, offset + sizes[n]]}
+            offset += sizes[n]
+            weight_map[n] = fname
+        header["__metadata__"] = {"format": "pt"}
+        text = json.dumps(header, separators=(",", ":"))
+        text += " " * (-len(text) % 8)
+        with open(tmp / fname, "wb") as f:
+            f.write(len(text).to_bytes(8, "little"))
+            f.write(text.encode())
+            for n in group:
+                t = _assemble(step_dir, md, aliases.get(n, n), target[aliases.get(n, n)])
+                f.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+                del t
+            f.flush()
+            os.fsync(f.fileno())
+    if len(files) > 1:
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=1) + "\n")
+    model = (manifest.get("recipe") or {}).get("model")
+    if model:
+        (tmp / "recipe_model.json").write_text(json.dumps(model, indent=1) + "\n")
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    return {"files": file_names, "tensors": len(order), "bytes": sum(sizes.values()), "step": manifest["step"]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m plugin checkpoint export")
+    p.add_argument("directory")
+    p.add_argument("-o", "--out", required=True)
+    p.add_argument("--dtype", choices=sorted(_DTYPES))
+    args = p.parse_args(argv)
+    try:
+        done = export(args.directory, args.out, args.dtype)
+    except PluginError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(f"{args.out}: {done['tensors']} tensors, {done['bytes']:,} bytes in {', '.join(done['files'])} "
+          f"(step {done['step']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

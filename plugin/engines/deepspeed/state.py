@@ -1,0 +1,129 @@
+"""Checkpoints of the DeepSpeed back end through the checkpoint room: DeepSpeed's own partitions as pieces,
+read and written in place, without collectives and without whole tensors (no offline conversion).
+
+* ZeRO-0 fp32 (torch's optimizer as DeepSpeed's): whole TP-local parameters and their states, like native DDP.
+* ZeRO-1/2 and the bf16 optimizer: each parameter's ``_hp_mapping`` says which flat range of it this rank's fp32
+  partition holds (the address DeepSpeed's universal checkpoint and ``safe_get_full_*`` read); the moments are the
+  same range of the flat partition's state. Read through the flat state, never ``get_hp_fragment(key)``: DeepSpeed
+  0.19.8 links those fragments after the first parameter group's step only, so a second group's (the no-decay
+  biases and norms) is empty (``safe_get_full_optimizer_state`` raises there, and hangs on the ranks without a
+  fragment). After a load, ``update_lp_params`` copies the fp32 partitions into the module's parameters.
+* ZeRO-3: ``safe_get_local_fp32_param`` / ``safe_get_local_optimizer_state`` (views of the fp32 partition on CPU),
+  the real part of the partition ``[dp_rank * part, min((dp_rank + 1) * part, ds_numel))``; after a load the
+  partition is copied into ``ds_tensor`` too (what forward gathers: without it a resumed run restarts from the
+  initial weights, exit 0), inside ``checkpoint_event_prologue``/``epilogue`` (else the persistent parameters keep
+  stale gathered values in an engine that has trained).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ...checkpoint.boxes import Entry, Piece, TensorLayout, compose, flat_held, tp_segments
+
+
+def _zero(engine) -> int:
+    return int(engine.ds.zero_optimization_stage())
+
+
+def named_local_params(engine) -> dict:
+    held = {id(p) for p in engine.ds.module.parameters()}
+    return {n: p for n, p in engine.whole_model.named_parameters() if id(p) in held}
+
+
+def local_optimizer(engine):
+    """The torch optimizer whose states are keyed by the module's parameters (ZeRO-0 fp32), else None: the
+    partitioned optimizers' states go through :func:`extra_entries`."""
+    opt = engine.ds.optimizer
+    if isinstance(opt, torch.optim.Optimizer) and not hasattr(opt, "optimizer") and _zero(engine) == 0:
+        return opt
+    return None
+
+
+def _base(engine):
+    return engine.ds.optimizer.optimizer
+
+
+def _z3_range(p):
+    part = p.ds_tensor.ds_numel
+    start = dist.get_rank(group=p.ds_process_group) * part
+    return start, max(0, min(part, p.ds_numel - start))
+
+
+def _fragment(engine, p, key):
+    """(TP-local shape, flat start, flat fragment view) this rank holds of ``p`` (or its state ``key``)."""
+    if _zero(engine) == 3:
+        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+        start, real = _z3_range(p)
+        t = safe_get_local_fp32_param(p) if key is None else safe_get_local_optimizer_state(p, key)
+        return tuple(p.ds_shape), start, t.narrow(0, 0, real)
+    m = getattr(p, "_hp_mapping", None)
+    if m is None:
+        return tuple(p.shape), 0, None
+    flat = _base(engine).param_groups[m.param_group_index]["params"][0]
+    src = flat if key is None else _base(engine).state[flat][key]
+    return tuple(p.shape), m.lp_fragment_address.start, src.narrow(0, m.hp_fragment_address.start,
+                                                                 m.hp_fragment_address.numel)
+
+
+def checkpoint_pieces(engine, name, p, global_shape, key):
+    lay = engine.tp_layouts.get(name, TensorLayout())
+    tp_rank, tp_size = engine.groups.tp_rank, engine.layout.tensor
+    if local_optimizer(engine) is not None or (_zero(engine) == 0 and getattr(p, "_hp_mapping", None) is None):
+        t = p.detach() if key is None else p  # ZeRO-0 fp32: p is the parameter or its state tensor
+        return compose([((0,) * t.dim(), t)], tp_segments(tuple(t.shape), global_shape, lay, tp_rank, tp_size))
+    shape, start, frag = _fragment(engine, p, key)
+    if frag is None or frag.numel() == 0:
+        return []
+    return compose(flat_held(shape, start, frag), tp_segments(shape, global_shape, lay, tp_rank, tp_size))
+
+
+def extra_entries(engine, params: dict, for_load: bool):
+    """The partitioned optimizers' states (ZeRO-1/2/3, bf16): moments as pieces of the flat partitions, ``step``
+    per parameter (DeepSpeed keeps one per flat partition); and what to run after a load."""
+    from ...checkpoint.adapt import materialise_optimizer_state
+
+    if local_optimizer(engine) is not None:
+        return {}, []
+    base = _base(engine)
+    if for_load:
+        materialise_optimizer_state(base)
+    keys = sorted({k for st in base.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() == 1})
+    entries = {}
+    for name, p in params.items():
+        shape = engine.model_index[name][0]
+        for key in keys:
+            pieces = checkpoint_pieces(engine, name, p, shape, key)
+            entries[f"optim.{name}.{key}"] = Entry(shape, torch.float32, pieces, "optim", name, key)
+        if _zero(engine) == 3:
+            group_idx = engine.ds.optimizer.grad_position[engine.ds.optimizer.get_param_id(p)][0]
+            flat = engine.ds.optimizer.fp32_partitioned_groups_flat[group_idx]
+        else:
+            m = getattr(p, "_hp_mapping", None)
+            flat = None if m is None else base.param_groups[m.param_group_index]["params"][0]
+        step = base.state.get(flat, {}).get("step") if flat is not None else None
+        if torch.is_tensor(step):
+            entries[f"optim.{name}.step"] = Entry((), step.dtype, [Piece((), step)], "optim", name, "step")
+    return entries, []
+
+
+def before_load(engine):
+    if _zero(engine) == 3:
+        engine.ds.optimizer.checkpoint_event_prologue()
+
+
+def after_load(engine, manifest):
+    z = _zero(engine)
+    if z == 3:
+        for p in engine.ds.module.parameters():
+            from deepspeed.utils import safe_get_local_fp32_param
+
+            p.ds_tensor.data.copy_(safe_get_local_fp32_param(p).view(-1)[: p.ds_tensor.numel()])
+        engine.ds.optimizer.checkpoint_event_epilogue()
+    elif hasattr(engine.ds.optimizer, "update_lp_params"):
+        engine.ds.optimizer.update_lp_params()
+    step = int(manifest["step"])
+    engine.ds.global_steps = step
+    engine.ds.global_samples = step * engine.layout.global_batch
+    engine.ds.micro_steps = step * engine.layout.grad_accum
