@@ -31,6 +31,9 @@ def parse_args(argv=None):
     p.add_argument("--recipe", required=True, help="a recipe path or a shipped recipe's name (cpu_dp4)")
     p.add_argument("--steps", type=int, default=50, help="train until this optimizer step (default 50)")
     p.add_argument("--seed", type=int, default=0, help="model init and data order")
+    p.add_argument("--init", choices=["meta", "eager"], default="meta",
+                   help="meta (default): build on the meta device, each rank materialises only what it holds; "
+                        "eager: build the whole model on every rank first (the same values)")
     p.add_argument("--metrics", help="rank 0 writes {step, loss, tokens_per_s} JSON lines here; "
                    "a path with {rank} in it: every rank writes its own")
     p.add_argument("--save", metavar="DIR", help="save a checkpoint there after the last step (DIR/step-N, DIR/latest)")
@@ -115,7 +118,11 @@ def main(argv=None):
             return 2
     torch.manual_seed(args.seed)  # the same whole model on every rank; the plugin shards it
     try:
-        model = build_model(args.model, recipe.model)
+        if args.init == "meta":  # each rank then materialises only what it holds (plugin.initialize)
+            with torch.device("meta"):
+                model = build_model(args.model, recipe.model)
+        else:
+            model = build_model(args.model, recipe.model)
     except RecipeError as e:  # the recipe and --model's config disagree: every process exits, before any group
         if os.environ.get("RANK", "0") == "0":
             print("\n".join(p.with_file(recipe.source).format() for p in e.problems), file=sys.stderr)
@@ -124,7 +131,7 @@ def main(argv=None):
         print(e, file=sys.stderr)
         return 2
     try:
-        engine = plugin.initialize(model, recipe)
+        engine = plugin.initialize(model, recipe, seed=args.seed)
     except RecipeError:
         return 2  # rank 0 already printed every problem
     except PluginError as e:

@@ -221,6 +221,8 @@ def build(ctx: BuildContext) -> AccelerateEngine:
         raise PluginError(f"Accelerate cannot carry this recipe: {why} -> {fix}let initialize choose the back end")
     if env.is_main:
         print(f"{recipe.source or recipe.name}: note: accelerate launch: {why}", file=sys.stderr, flush=True)
+    if ctx.on_meta:  # whole, one unit at a time, before the plugins exist (Accelerate shards it in prepare)
+        ctx.materialize()
     acc = Accelerator(mixed_precision=PRECISIONS[recipe.precision].accelerate,
                       gradient_accumulation_steps=layout.grad_accum,
                       **_plugins(mode, recipe, env.world_size, cuda, model, ctx.layers_of))

@@ -29,6 +29,7 @@ class BuildContext:
     world. ``device``: where this rank computes. ``layers_of(model)``: the model as an ordered layer list, for
     pipeline stages and FSDP2 units. ``apply_tp(model, tp_group, pp_rank=0)``: shards it with the recipe's
     tensor-parallel plan. ``loss_for(tp_group)``: the loss function, once the tensor group exists.
+    ``seed``: the init seed of meta tensors; ``units``: what :meth:`materialize` fills.
     """
 
     model: Any
@@ -39,6 +40,21 @@ class BuildContext:
     layers_of: Callable
     apply_tp: Callable
     loss_for: Callable
+    seed: int = 0
+    units: tuple = ()  # the meta model's init units (plugin.materialize.capture); empty for an eager model
+
+    @property
+    def on_meta(self) -> bool:
+        """Whether the model came on the meta device: the back end materialises what this rank holds."""
+        return bool(self.units)
+
+    def materialize(self, sink=None, held=None) -> None:
+        """Fill this rank's meta tensors of :attr:`model` (``held``: ids of them; None: all) through ``sink``,
+        the tensor-parallel cuts re-run on the whole values; then nothing it holds is left on meta."""
+        from ..materialize import materialize
+
+        materialize(self.model, list(self.units), self.seed, self.device, sink=sink, held=held,
+                    cuts=getattr(self.apply_tp, "cuts", None))
 
     @property
     def topology(self) -> Topology:

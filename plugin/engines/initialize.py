@@ -55,6 +55,39 @@ def as_module(model):
     return model
 
 
+def build_on_meta(model_or_builder):
+    """A zero-argument builder called under ``torch.device("meta")``; a model or a list of layers as given."""
+    import torch
+
+    if isinstance(model_or_builder, (torch.nn.Module, list, tuple)) or not callable(model_or_builder):
+        return model_or_builder
+    with torch.device("meta"):
+        return model_or_builder()
+
+
+def _capture(model) -> list:
+    import torch
+
+    if not any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+        return []
+    from ..materialize import capture
+
+    return capture(model) if isinstance(model, torch.nn.Module) else []
+
+
+def _seed(seed: int | None) -> int:
+    import torch
+
+    return int(torch.initial_seed() if seed is None else seed)
+
+
+def _check_nothing_left_on_meta(engine) -> None:
+    module = getattr(engine, "container", None)
+    module = engine.module if module is None else module
+    left = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.device.type == "meta"]
+    assert not left, f"materialisation left {left[:5]} on the meta device"  # internal invariant
+
+
 def layers_of(model) -> list:
     """The model as an ordered list of layers, for pipeline stages: a transformers causal LM's stage list
     (:func:`plugin.models.hf_stages.stage_layers`), ``to_layers()``, or the list / Sequential itself."""
@@ -88,13 +121,19 @@ def _fail(problems: list[Problem], env) -> None:
     raise RecipeError(problems)
 
 
-def initialize(model, recipe: Recipe | str | Path, *, loss_fn: Callable | None = None,
+def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, loss_fn: Callable | None = None,
                world_size: int | None = None, backend: str | None = None):
     """Shard ``model`` per ``recipe`` and wrap it in the chosen back end's :class:`~plugin.engines.base.Engine`.
 
-    ``model``: an ``nn.Module`` built whole, with the same seed, on every rank (the plugin shards it); for
+    ``model``: an ``nn.Module`` built on the meta device (``with torch.device("meta"): GPT(cfg)``), or a
+    zero-argument callable that builds one (called here under ``torch.device("meta")``): each rank then
+    materialises only what it holds (its tensor shards, its stage, its ZeRO-3 / FSDP2 partition), every module
+    filled by the model's ``init_module(name, module)`` or its own ``reset_parameters()`` under a generator
+    seeded by ``(seed, qualified name)``, so the values do not depend on the layout (:mod:`plugin.materialize`).
+    Or an ``nn.Module`` built whole, with the same seed, on every rank (the plugin shards it, values kept). For
     pipelines an ordered list of layers, an ``nn.Sequential`` or a model with ``to_layers()``. A list or
     tuple is wrapped in an ``nn.Sequential`` first (:func:`as_module`), whatever the layout and back end.
+    ``seed``: the init seed of meta tensors (default ``torch.initial_seed()``; the same on every rank).
     ``loss_fn(output, labels)``: defaults to next-token cross entropy, vocab-parallel when the head is sharded.
     ``world_size``: the world the caller expects; it must equal the launcher's WORLD_SIZE.
     ``backend``: "deepspeed", "accelerate" or "native" to override :func:`choose_backend`.
@@ -108,7 +147,8 @@ def initialize(model, recipe: Recipe | str | Path, *, loss_fn: Callable | None =
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
     check_launch(recipe, env)
-    model = as_module(model)
+    model = as_module(build_on_meta(model))
+    units = _capture(model)  # before any wrapping, the same on every rank: refuses a module that cannot be filled
     problems = check_model(model, recipe)
     if any(p.is_error for p in problems):
         _fail([p for p in problems if p.is_error], env)
@@ -130,7 +170,9 @@ def initialize(model, recipe: Recipe | str | Path, *, loss_fn: Callable | None =
     from ..checkpoint.adapt import model_index, recording_tp
 
     index = model_index(model)  # checkpoints name every tensor as the unsharded model does, with its global shape
+    cuts = apply_tp.cuts
     apply_tp, tp_layouts = recording_tp(apply_tp)  # each sharded parameter's layout, before FSDP2 replaces it
+    apply_tp.cuts = cuts  # the plan's cuts, which materialising a meta model re-runs on whole values
     if backend == "deepspeed":
         from .deepspeed.engine import build
     elif backend == "native":
@@ -140,7 +182,9 @@ def initialize(model, recipe: Recipe | str | Path, *, loss_fn: Callable | None =
     else:
         raise PluginError(f'unknown backend {backend!r} -> use "deepspeed", "accelerate" or "native"')
     engine = build(BuildContext(model=model, recipe=recipe, layout=layout, env=env, device=device,
-                                layers_of=layers_of, apply_tp=apply_tp, loss_for=loss_for))
+                                layers_of=layers_of, apply_tp=apply_tp, loss_for=loss_for,
+                                seed=_seed(seed), units=tuple(units)))
+    _check_nothing_left_on_meta(engine)
     engine.model_index, engine.tp_layouts, engine.whole_model = index, tp_layouts, model
     from ..models.hf_stages import is_hf_model
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..materialize.run import init_in_place
 from ..tensor_parallel.comm import allreduce_grads_in_backward, gather_from_sequence_region, scatter_to_sequence_region
 from ..tensor_parallel.cross_entropy import token_cross_entropy
 from ..tensor_parallel.embedding import VocabParallelEmbedding
@@ -193,16 +194,22 @@ class GPT(nn.Module):
         # The two wrapper layers of to_layers(), made once (a tuple: not registered as submodules, so
         # names and state_dict stay the GPT's own); their children are this model's modules.
         self._ends = (EmbeddingLayer(self.embed, self.pos_embed, config), HeadLayer(self.norm, self.head))
-        self._init_weights()
+        # The same per-(seed, name) rule as a model built on the meta device and materialised by initialize
+        # (plugin.materialize): an eager GPT equals a meta-built one for the same seed, on every layout.
+        init_in_place(self, torch.initial_seed())
 
-    def _init_weights(self) -> None:
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """Fill ``module``'s own parameters (``recurse=False``), called ``name`` in this model, from torch's default
+        generator (seeded for this module by :func:`plugin.materialize.run.seeded`): biases zero, norms one, the
+        residual projections normal(0, std / sqrt(2 layers)), everything else normal(0, std)."""
         std = self.config.init_std
-        for name, p in self.named_parameters():  # one fixed order: the same numbers on every rank
-            if name.endswith("bias"):
+        for pname, p in module.named_parameters(recurse=False):
+            full = f"{name}.{pname}" if name else pname
+            if pname == "bias":
                 nn.init.zeros_(p)
-            elif ".ln" in name or name.startswith("norm"):
+            elif ".ln" in full or full.startswith("norm"):
                 nn.init.ones_(p)
-            elif name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+            elif full.endswith(("attn.proj.weight", "mlp.proj.weight")):
                 nn.init.normal_(p, 0.0, std / (2 * self.config.layers) ** 0.5)
             else:
                 nn.init.normal_(p, 0.0, std)

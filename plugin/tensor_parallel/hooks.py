@@ -63,7 +63,9 @@ def tensor_parallel_hooks(model, recipe, loss_fn: Callable | None) -> tuple[Call
 
     def apply_tp(target, tp_group, pp_rank: int = 0):
         return apply_tensor_parallel(target, plan, tp_group, sequence_parallel=tp_cfg.sequence_parallel,
-                                     pp_rank=pp_rank)
+                                     pp_rank=pp_rank, cuts=apply_tp.cuts)
+
+    apply_tp.cuts = {}  # what each swapped module's cut was: a meta model is materialised through the same cuts
 
     def loss_for(tp_group) -> Callable:
         if loss_fn is not None:

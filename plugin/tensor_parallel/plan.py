@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import functools
 import logging
 import re
 from collections import defaultdict
@@ -227,7 +228,7 @@ def _build(module: nn.Module, style: Style, tp_group, sequence_parallel: bool) -
 
 def apply_tensor_parallel(model: nn.Module, plan: str | Mapping[str, str], tp_group, *,
                           sequence_parallel: bool = False, seed: int | None = None,
-                          pp_rank: int = 0) -> nn.Module:
+                          pp_rank: int = 0, cuts: dict | None = None) -> nn.Module:
     """Shard ``model`` in place over ``tp_group`` as ``plan`` says, and return it.
 
     Build the model whole with the same seed on every rank of the group first: each rank then keeps its
@@ -244,6 +245,10 @@ def apply_tensor_parallel(model: nn.Module, plan: str | Mapping[str, str], tp_gr
     with a :class:`TensorParallelContext` (the reference GPT does all three). A model without the last one
     (transformers models) draws dropout inside split regions from torch's default stream, the same on
     every tensor rank: still correct, but the masks of heads on different ranks are then alike.
+
+    ``cuts``: filled with ``{module name: dense module -> this rank's layer}``, the cut each swapped module got, so
+    that a model swapped on the meta device is materialised by re-running the same cut on the whole values
+    (:mod:`plugin.materialize`).
     """
     tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
     assignment = resolve_plan(model, plan, tp_size, sequence_parallel=sequence_parallel)
@@ -265,6 +270,8 @@ def apply_tensor_parallel(model: nn.Module, plan: str | Mapping[str, str], tp_gr
                          getattr(new, "vocab_size", getattr(new, "num_embeddings", 0)),
                          getattr(new, "padded_vocab_size", getattr(new, "padded_num_embeddings", 0)),
                          new.padding, "s" if new.padding > 1 else "", tp_size)
+        if cuts is not None:
+            cuts[name] = functools.partial(_build, style=style, tp_group=tp_group, sequence_parallel=sequence_parallel)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
     auto.fix_known_model(model, tp_size)

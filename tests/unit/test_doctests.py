@@ -5,7 +5,8 @@ import importlib
 
 import pytest
 
-MODULES = ["plugin.distributed.topology", "plugin.pipeline_parallel.stages", "plugin.planning.units"]
+MODULES = ["plugin.distributed.topology", "plugin.pipeline_parallel.stages", "plugin.planning.units",
+           "plugin.materialize.seeds"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 
 from ...distributed.groups import ParallelGroups, build_groups
+from ...materialize.sinks import Zero3Sink
 from ...pipeline_parallel.checks import check_stage_cut
 from ...tensor_parallel.random import tensor_parallel_rngs
 from ...tensor_parallel.recompute import checkpoint_func
@@ -45,6 +46,19 @@ from ..shm import release_shm_buffer
 from . import state
 from .config import engine_config
 from .optimizer import choose_optimizer
+
+
+def _stage_class(pipeline_module):
+    """A PipelineModule whose constructor's move to the device waits while its stage is on meta: the stage is
+    materialised (and tensor-sharded) once its grid exists, then moved."""
+
+    class StageOnMeta(pipeline_module):
+        def to(self, *args, **kwargs):
+            if any(t.device.type == "meta" for t in [*self.parameters(), *self.buffers()]):
+                return self
+            return super().to(*args, **kwargs)
+
+    return StageOnMeta
 
 
 def count_each_gradient_once(module, tp_rank: int) -> None:
@@ -181,21 +195,23 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
         ds_topology = PipeModelDataParallelTopology(num_pp=layout.pipeline, num_mp=layout.tensor,
                                                     num_dp=layout.data)
         pp = recipe.pipeline_parallel
-        module = PipelineModule(layers=layers_of(model), topology=ds_topology, partition_method=pp.partition,
-                                activation_checkpoint_interval=pp.activation_checkpoint_interval)
+        module = _stage_class(PipelineModule)(layers=layers_of(model), topology=ds_topology,
+                                              partition_method=pp.partition,
+                                              activation_checkpoint_interval=pp.activation_checkpoint_interval)
         groups = ParallelGroups.from_deepspeed_grid(module._grid)  # one grid: its slice group is the tensor group
         loss_fn = module.loss_fn = loss_for(groups.tensor_group)
         if layout.tensor > 1:
             apply_tp(model, groups.tensor_group, pp_rank=groups.pp_rank)
             layers_of(model)  # re-syncs a transformers stage list with the sharded modules (hf_stages)
-        count_each_gradient_once(module, groups.tp_rank)
+        count_each_gradient_once(module, groups.tp_rank)  # marks on meta parameters survive materialising
+        if ctx.on_meta:  # the stage's own layers only (PipelineModule registers no other)
+            ctx.materialize(held={id(t) for t in [*module.parameters(), *module.buffers()]})
         module.to(device)
         mpu = None  # DeepSpeed requires mpu=None with a PipelineModule; it uses the module's grid
     else:
         groups = build_groups(topology)
         loss_fn = loss_for(groups.tensor_group)
         module = apply_tp(model, groups.tensor_group) if layout.tensor > 1 else model
-        module.to(device)
         # at tensor 1 DeepSpeed's own groups are the plugin's (its data group is the world): no mpu to hand it
         mpu = groups if layout.tensor > 1 else None
         if mpu is None:  # DeepSpeed keeps the last engine's mpu as a module global: a second engine would read it
@@ -203,9 +219,16 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
 
             ds_groups.mpu = None
 
-    # buckets sized to what this rank holds: its stage, its tensor shards
+    # buckets sized to what this rank holds: its stage, its tensor shards (meta shapes: numel is 0 once partitioned)
     numels = tuple(p.numel() for p in module.parameters())
     config = engine_config(recipe, ctx.env.world_size, use_ds_optimizer=choice.deepspeed_op, numels=numels)
+    if layout.pipeline == 1:
+        if ctx.on_meta and recipe.zero.stage == 3:  # partitioned unit by unit: one unit whole at a time
+            ctx.materialize(sink=Zero3Sink(model, config, groups.data_group, mpu, compute_dtype(recipe), device))
+        elif ctx.on_meta:
+            ctx.materialize()
+        if not (ctx.on_meta and recipe.zero.stage == 3):
+            module.to(device)
     if choice.deepspeed_op:
         optimizer, params = None, param_groups(module.parameters(), recipe.optimizer.weight_decay)
     else:

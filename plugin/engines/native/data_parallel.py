@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 
+from ...materialize.sinks import FSDP2Sink
 from ..context import BuildContext
 from .common import NativeEngine, build_scaler, ids_of, native_optimizer, tensor_sharded_names, wrap_ddp
 from .fsdp import reshard_all, shard_fsdp2
@@ -87,11 +88,19 @@ def build_data_parallel(ctx: BuildContext, groups) -> DataParallelEngine:
     ZeRO-1) or FSDP2 (ZeRO-2/3) over the data group."""
     recipe, layout, device = ctx.recipe, ctx.layout, ctx.device
     module = ctx.apply_tp(ctx.model, groups.tensor_group) if layout.tensor > 1 else ctx.model
-    module.to(device)
-    sharded_names = tensor_sharded_names(module)
     stage = recipe.zero.stage
+    if not ctx.on_meta:
+        module.to(device)
+    elif stage < 2:  # whole parameters on every rank: each unit made and swapped in, one at a time
+        ctx.materialize()
+        module.to(device)
+    sharded_names = tensor_sharded_names(module)
     if stage >= 2:
-        wrapped = shard_fsdp2(module, recipe, groups, device, ctx.layers_of)
+        wrapped = shard_fsdp2(module, recipe, groups, device, ctx.layers_of)  # on meta: shards of nothing yet
+        if ctx.on_meta:  # FSDP2 allocates this rank's shards; each is cut from its unit's whole value
+            z = recipe.zero
+            at = torch.device("cpu") if "cpu" in (z.offload_optimizer, z.offload_param) else device
+            ctx.materialize(sink=FSDP2Sink(module, at))
     elif layout.data > 1:
         wrapped = wrap_ddp(module, groups, device)
     else:

@@ -149,8 +149,11 @@ def build_pipeline(ctx: BuildContext, groups, bounds: list[int]) -> PipelineEngi
     layers = ctx.layers_of(ctx.model)  # the same objects, now sharded
     mine = stages_of_rank(groups.pp_rank, layout.pipeline, virtual)
     modules = {s: StageModule({i: layers[i] for i in range(bounds[s], bounds[s + 1])},
-                              pp_cfg.activation_checkpoint_interval).to(device) for s in mine}
+                              pp_cfg.activation_checkpoint_interval) for s in mine}
     container = nn.ModuleDict({str(s): m for s, m in modules.items()})
+    if ctx.on_meta:  # this rank's stages only: the other stages' layers stay on meta here
+        ctx.materialize(held={id(t) for t in [*container.parameters(), *container.buffers()]})
+    container.to(device)
     sharded_names = tensor_sharded_names(container)
     zero1 = recipe.zero.stage == 1 and layout.data > 1
     optimizer = native_optimizer(container, recipe, groups, zero1=zero1)
