@@ -116,7 +116,7 @@ def main(argv=None):
         except PluginError as e:
             print(e, file=sys.stderr)
             return 2
-    torch.manual_seed(args.seed)  # the same whole model on every rank; the plugin shards it
+    torch.manual_seed(args.seed)  # --init eager: the same whole model on every rank (meta: seed= below)
     try:
         if args.init == "meta":  # each rank then materialises only what it holds (plugin.initialize)
             with torch.device("meta"):

@@ -42,11 +42,13 @@ def check_model(model, recipe) -> list[Problem]:
             problems.append(Problem("$.parallelism.tensor", f"{where} has {key} {dims[key]}, not divisible by "
                                     f"tensor {tp}", f"use a tensor size that divides {dims[key]}"))
     if getattr(model, "is_gradient_checkpointing", False) is True:  # transformers' own recompute, switched on
-        problems.append(Problem("$.activation_checkpointing", f"{where} has transformers' gradient checkpointing on "
+        field = "$.pipeline_parallel.activation_checkpoint_interval"
+        problems.append(Problem(field, f"{where} has transformers' gradient checkpointing on "
                                 "(gradient_checkpointing_enable()): it would recompute beside the plugin's and is "
                                 "not replayed per tensor-parallel stream",
-                                "drop gradient_checkpointing_enable() and set the recipe's activation_checkpointing "
-                                "block (or pipeline_parallel.activation_checkpoint_interval) instead"))
+                                "drop gradient_checkpointing_enable() and set the recipe's "
+                                "pipeline_parallel.activation_checkpoint_interval instead (the plugin's recompute, "
+                                "with the tensor-parallel dropout streams replayed)"))
     if "layers" in dims and dims["layers"] < pp:
         problems.append(Problem("$.parallelism.pipeline", f"{where} has {dims['layers']} layers, fewer than "
                                 f"pipeline {pp} stages", f"use pipeline <= {dims['layers']}"))

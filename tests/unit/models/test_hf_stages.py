@@ -82,7 +82,7 @@ def test_refusals_name_the_fix():
     assert mask.shape == (2, 1) and mask.dtype == torch.int64
 
 
-def test_transformers_gradient_checkpointing_is_refused_for_the_recipes_block():
+def test_transformers_gradient_checkpointing_is_refused_for_the_recipes_field():
     from plugin.engines.model_checks import check_model
     from plugin.recipe.checks import load_recipe
 
@@ -91,5 +91,5 @@ def test_transformers_gradient_checkpointing_is_refused_for_the_recipes_block():
     assert not [p for p in check_model(model, recipe) if p.is_error]
     model.gradient_checkpointing_enable()
     errors = [p.format() for p in check_model(model, recipe) if p.is_error]
-    assert len(errors) == 1 and "$.activation_checkpointing" in errors[0]
+    assert len(errors) == 1 and "$.pipeline_parallel.activation_checkpoint_interval" in errors[0]
     assert "gradient_checkpointing_enable" in errors[0]
