@@ -87,11 +87,13 @@ class AccelerateEngine(Engine):
     def save(self, directory: str, client_state: dict | None = None, *, keep: int | None = None):
         from ..checkpoint import adapt
 
+        self._check_checkpointable()
         return adapt.save(self, directory, client_state, keep=keep)
 
     def load(self, directory: str) -> dict:
         from ..checkpoint import adapt
 
+        self._check_checkpointable()
         return adapt.load(self, directory)
 
     @property
@@ -132,6 +134,12 @@ class AccelerateEngine(Engine):
         from .deepspeed import state
 
         return state.extra_entries(self, params, for_load)
+
+    def _check_checkpointable(self):
+        if self.mode == "deepspeed":  # its DeepSpeed plugin: what the DeepSpeed adapter cannot hold is refused alike
+            from .deepspeed import state
+
+            state.check_checkpointable(self)
 
     def before_load(self):
         if self.mode == "deepspeed":

@@ -126,11 +126,13 @@ class DeepSpeedEngine(Engine):
         so any layout and the native back end read it."""
         from ...checkpoint import adapt
 
+        state.check_checkpointable(self)
         return adapt.save(self, directory, client_state, keep=keep)
 
     def load(self, directory: str) -> dict:
         from ...checkpoint import adapt
 
+        state.check_checkpointable(self)
         return adapt.load(self, directory)
 
     def named_local_params(self) -> dict:

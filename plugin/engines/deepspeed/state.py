@@ -108,6 +108,17 @@ def extra_entries(engine, params: dict, for_load: bool):
     return entries, []
 
 
+def check_checkpointable(engine) -> None:
+    """Refuse what this format cannot hold yet rather than resume wrong: DeepSpeed's fp16 (its loss scale, and at
+    ZeRO-0 FP16_Optimizer's fp32 masters, which have no ``_hp_mapping``: a resume would restart from them)."""
+    if engine.recipe.precision == "fp16":
+        from ...checkpoint.dcp_io import CheckpointError
+
+        raise CheckpointError("the DeepSpeed back end cannot checkpoint fp16 training yet (its dynamic loss scale and "
+                              "FP16_Optimizer's fp32 master weights are not in the plugin's format) -> use "
+                              '"precision": "bf16", or the native back end, whose fp16 scaler is saved')
+
+
 def before_load(engine):
     if _zero(engine) == 3:
         engine.ds.optimizer.checkpoint_event_prologue()
@@ -124,6 +135,10 @@ def after_load(engine, manifest):
     elif hasattr(engine.ds.optimizer, "update_lp_params"):
         engine.ds.optimizer.update_lp_params()
     step = int(manifest["step"])
+    if engine.ds.lr_scheduler is not None:  # a raw deepspeed block's scheduler: its position is the step count
+        # DeepSpeed's schedulers set the optimizer's lr in step(), not in load_state_dict(): step(n - 1) puts both
+        # where n optimizer steps leave them (the lr of step n + 1), whoever wrote the checkpoint
+        engine.ds.lr_scheduler.step(step - 1)
     engine.ds.global_steps = step
     engine.ds.global_samples = step * engine.layout.global_batch
     engine.ds.micro_steps = step * engine.layout.grad_accum
