@@ -12,6 +12,7 @@ is assembled from its chunks (read with ``weights_only=True``), written, and fre
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -23,7 +24,7 @@ import torch
 
 from ..errors import PluginError
 from .dcp_io import read_metadata_file
-from .store import open_checkpoint
+from .store import open_checkpoint, verify_crcs
 
 MAX_FILE = 5_000_000_000
 _ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64", torch.int64: "I64",
@@ -40,8 +41,6 @@ def _assemble(step_dir: Path, md, name: str, dtype: torch.dtype) -> torch.Tensor
         info = md.storage_data[MetadataIndex(name, chunk.offsets)]
         with open(step_dir / info.relative_path, "rb") as f:
             f.seek(info.offset)
-            import io
-
             piece = torch.load(io.BytesIO(f.read(info.length)), map_location="cpu", weights_only=True)
         box = out
         for d, (o, n) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
@@ -53,6 +52,7 @@ def _assemble(step_dir: Path, md, name: str, dtype: torch.dtype) -> torch.Tensor
 
 def export(directory: str, out: str, dtype: str | None = None) -> dict:
     step_dir, manifest = open_checkpoint(directory)
+    verify_crcs(step_dir, manifest)  # a flipped bit is named, not exported as a wrong weight
     md = read_metadata_file(step_dir / ".metadata")
     names = [n for n, t in manifest["tensors"].items() if t["role"] == "param"]
     aliases = {a: src for a, src in (manifest.get("model") or {}).get("tied", {}).items() if src in names}

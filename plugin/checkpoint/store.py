@@ -105,7 +105,7 @@ def save(state: LocalState, directory: str | Path, step: int, info: dict, *, kee
     return final
 
 
-def _verify_crcs(step_dir: Path, manifest: dict) -> None:
+def verify_crcs(step_dir: Path, manifest: dict) -> None:
     """Every file's crc32 against the manifest, the files spread over the ranks; every rank raises alike."""
     names = sorted(manifest["files"])
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -135,7 +135,7 @@ def open_checkpoint(directory: str | Path) -> tuple[Path, dict]:
 
 def load(state: LocalState, step_dir: Path, manifest: dict) -> None:
     """Fill ``state``'s pieces from ``step_dir`` (resharding on read), then run its ``after_load`` callables."""
-    _verify_crcs(step_dir, manifest)
+    verify_crcs(step_dir, manifest)
     try:
         dcp.load(state.entries, storage_reader=SafeReader(step_dir), planner=PieceLoadPlanner())
     except CheckpointException as e:  # a BaseException; its failures carry our CheckpointError messages

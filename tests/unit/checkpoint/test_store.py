@@ -102,6 +102,10 @@ def test_flipped_byte_is_found_by_its_checksum(tmp_path, full):
     target = LocalState({"w": Entry((3, 4, 2), torch.float32, [Piece((0, 0, 0), torch.empty(3, 4, 2))])})
     with pytest.raises(CheckpointError, match=rf"{data.name}: crc32 .* \(corrupted\)"):
         load(target, step_dir, manifest)
+    from plugin.checkpoint.export import export
+
+    with pytest.raises(CheckpointError, match=rf"{data.name}: crc32 .* \(corrupted\)"):
+        export(str(tmp_path), str(tmp_path / "out"))  # not a consolidated file with one wrong weight
 
 
 class _Payload:
