@@ -36,7 +36,8 @@ def parse_args(argv=None):
                         "eager: build the whole model on every rank first (the same values)")
     p.add_argument("--metrics", help="rank 0 writes {step, loss, tokens_per_s} JSON lines here; "
                    "a path with {rank} in it: every rank writes its own")
-    p.add_argument("--save", metavar="DIR", help="save a checkpoint there after the last step (DIR/step-N, DIR/latest)")
+    p.add_argument("--save", metavar="DIR", help="save a checkpoint there after the last step "
+                   "(DIR/step-00000050, DIR/latest)")
     p.add_argument("--save-every", type=int, metavar="N", help="also save every N steps (needs --save)")
     p.add_argument("--keep", type=int, metavar="K", help="keep the last K complete checkpoints under --save")
     p.add_argument("--resume", metavar="DIR", help="resume from the last complete checkpoint under DIR")
@@ -97,6 +98,12 @@ class Progress:
 
 def main(argv=None):
     args = parse_args(argv)
+    if (args.save_every or args.keep) and not args.save:  # before any process group: every rank exits alike
+        print("--save-every and --keep need --save DIR", file=sys.stderr)
+        return 2
+    if (args.save_every is not None and args.save_every < 1) or (args.keep is not None and args.keep < 1):
+        print("--save-every and --keep take a number of at least 1", file=sys.stderr)
+        return 2
     try:
         recipe = plugin.load_recipe(args.recipe)
     except RecipeError as e:
@@ -140,15 +147,21 @@ def main(argv=None):
     offset_default_stream_by_stage(engine.groups.pp_rank)  # each stage its own dropout masks (Megatron's seeds)
 
     data = TextBatches(recipe.model.vocab, recipe.model.seq_len, seed=args.seed)  # its own generator
-    if (args.save_every or args.keep) and not args.save:
-        print("--save-every and --keep need --save DIR", file=sys.stderr)
+    try:
+        state = engine.load(args.resume) if args.resume else {"step": 0}
+        start = state["step"]
+        if windows is not None:  # the same global batch at step i whatever the layout; the position in checkpoints
+            loader = engine.dataloader(windows[0], seed=args.seed)
+            if "data" in state:
+                loader.load_state_dict(state["data"])
+            elif start:  # restarting the data at step N would train epoch 0's rows again, exit 0
+                raise PluginError(f"--resume {args.resume}: the checkpoint (step {start}) holds no --data position "
+                                  "-> resume with the data it was trained on, or start without --resume")
+    except PluginError as e:  # every rank reads the same checkpoint and reaches the same verdict
+        print(e, file=sys.stderr)
+        engine.close()
         return 2
-    state = engine.load(args.resume) if args.resume else {"step": 0}
-    start = state["step"]
-    if windows is not None:  # the same global batch at step i whatever the layout; the position in checkpoints
-        loader = engine.dataloader(windows[0], seed=args.seed)
-        if "data" in state:
-            loader.load_state_dict(state["data"])
+    if windows is not None:
         stream = loader.stream()
         next_batch = lambda step: next(stream)  # noqa: E731
         evaluation = windows[1] if len(windows[1]) >= engine.layout.global_batch else windows[0]

@@ -128,8 +128,9 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
     ``model``: an ``nn.Module`` built on the meta device (``with torch.device("meta"): GPT(cfg)``), or a
     zero-argument callable that builds one (called here under ``torch.device("meta")``): each rank then
     materialises only what it holds (its tensor shards, its stage, its ZeRO-3 / FSDP2 partition), every module
-    filled by the model's ``init_module(name, module)`` or its own ``reset_parameters()`` under a generator
-    seeded by ``(seed, qualified name)``, so the values do not depend on the layout (:mod:`plugin.materialize`).
+    filled by the model's ``init_module(name, module)``, transformers' ``_init_weights`` or its own
+    ``reset_parameters()`` under a generator seeded by ``(seed, qualified name)``, so the values do not depend on
+    the layout (:mod:`plugin.materialize`).
     Or an ``nn.Module`` built whole, with the same seed, on every rank (the plugin shards it, values kept). For
     pipelines an ordered list of layers, an ``nn.Sequential`` or a model with ``to_layers()``. A list or
     tuple is wrapped in an ``nn.Sequential`` first (:func:`as_module`), whatever the layout and back end.

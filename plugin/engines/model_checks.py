@@ -46,9 +46,9 @@ def check_model(model, recipe) -> list[Problem]:
         problems.append(Problem(field, f"{where} has transformers' gradient checkpointing on "
                                 "(gradient_checkpointing_enable()): it would recompute beside the plugin's and is "
                                 "not replayed per tensor-parallel stream",
-                                "drop gradient_checkpointing_enable() and set the recipe's "
-                                "pipeline_parallel.activation_checkpoint_interval instead (the plugin's recompute, "
-                                "with the tensor-parallel dropout streams replayed)"))
+                                "drop gradient_checkpointing_enable(); the plugin's recompute, with the tensor-"
+                                "parallel dropout streams replayed, runs inside pipeline stages: "
+                                "pipeline_parallel.activation_checkpoint_interval (none outside pipelines yet)"))
     if "layers" in dims and dims["layers"] < pp:
         problems.append(Problem("$.parallelism.pipeline", f"{where} has {dims['layers']} layers, fewer than "
                                 f"pipeline {pp} stages", f"use pipeline <= {dims['layers']}"))
