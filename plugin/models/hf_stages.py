@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from ..errors import PluginError
+from .hf_config import FAMILIES
 
-FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 _CACHE = "_plugin_stage_layers"
 
 
@@ -86,7 +86,7 @@ class DecoderLayer(nn.Module):
         causal = _mask_fn(self.mask_kind)(config=config, inputs_embeds=hidden, attention_mask=given, cache=None,
                                           position_ids=pos)
         if self.gpt2:
-            out = self.layer(hidden, None, causal, position_ids=pos)
+            out = self.layer(hidden, attention_mask=causal, position_ids=pos)  # by name: the order moved in 5.x
         else:
             out = self.layer(hidden, attention_mask=causal, position_embeddings=self.rotary(hidden, pos),
                              position_ids=pos)
