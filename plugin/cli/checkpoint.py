@@ -59,13 +59,21 @@ def summary(step_dir: Path, manifest: dict) -> dict:
             "other_steps": [d.name for _, d in complete_steps(root) if d != step_dir]}
 
 
-def run_inspect(args) -> int:
+def _open(directory):
+    """(step directory, manifest) of ``directory``, or None once the reason is printed."""
     try:
-        step_dir = resolve(args.directory)
-        manifest = read_manifest(step_dir)
+        step_dir = resolve(directory)
+        return step_dir, read_manifest(step_dir)
     except PluginError as e:
         print(e, file=sys.stderr)
+        return None
+
+
+def run_inspect(args) -> int:
+    opened = _open(args.directory)
+    if opened is None:
         return EXIT_INVALID
+    step_dir, manifest = opened
     s = summary(step_dir, manifest)
     if args.tensors:
         s["all_tensors"] = {n: {"shape": t["shape"], "dtype": t["dtype"], "role": t["role"]}
@@ -93,12 +101,10 @@ def run_inspect(args) -> int:
 
 
 def run_check(args) -> int:
-    try:
-        step_dir = resolve(args.directory)
-        manifest = read_manifest(step_dir)
-    except PluginError as e:
-        print(e, file=sys.stderr)
+    opened = _open(args.directory)
+    if opened is None:
         return EXIT_INVALID
+    step_dir, manifest = opened
     recipe = load_or_report(args.recipe, args.world_size)
     if recipe is None:
         return EXIT_INVALID
