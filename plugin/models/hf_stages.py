@@ -33,7 +33,7 @@ _CACHE = "_plugin_stage_layers"
 
 def is_hf_model(model) -> bool:
     """A transformers ``PreTrainedModel`` (checked only when transformers is imported: no import cost)."""
-    if "transformers" not in sys.modules:
+    if sys.modules.get("transformers") is None:  # absent, or blocked (a None entry: import would raise)
         return False
     from transformers import PreTrainedModel
 
