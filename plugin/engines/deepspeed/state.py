@@ -127,9 +127,9 @@ def before_load(engine):
 def after_load(engine, manifest):
     z = _zero(engine)
     if z == 3:
-        for p in engine.ds.module.parameters():
-            from deepspeed.utils import safe_get_local_fp32_param
+        from deepspeed.utils import safe_get_local_fp32_param
 
+        for p in engine.ds.module.parameters():
             p.ds_tensor.data.copy_(safe_get_local_fp32_param(p).view(-1)[: p.ds_tensor.numel()])
         engine.ds.optimizer.checkpoint_event_epilogue()
     elif hasattr(engine.ds.optimizer, "update_lp_params"):
