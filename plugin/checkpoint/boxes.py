@@ -151,6 +151,13 @@ def compose(held, segments) -> list[Piece]:
     return out
 
 
+def box(t: torch.Tensor, offsets, sizes) -> torch.Tensor:
+    """The view of ``t`` that starts at ``offsets`` and spans ``sizes`` (one piece's place in a tensor)."""
+    for d, (o, n) in enumerate(zip(offsets, sizes, strict=True)):
+        t = t.narrow(d, o, n)
+    return t
+
+
 def whole_held(t: torch.Tensor) -> list[tuple[tuple, torch.Tensor]]:
     return [((0,) * t.dim(), t)]
 

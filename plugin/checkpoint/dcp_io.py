@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..errors import PluginError
-from .boxes import Entry
+from .boxes import Entry, box
 
 
 class CheckpointError(PluginError):
@@ -123,10 +123,7 @@ class PieceLoadPlanner(LoadPlanner):
 
     def resolve_tensor(self, read_item):
         entry: Entry = self.state_dict[read_item.dest_index.fqn]
-        v = entry.pieces[read_item.dest_index.index].view
-        for d, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
-            v = v.narrow(d, o, n)
-        return v
+        return box(entry.pieces[read_item.dest_index.index].view, read_item.dest_offsets, read_item.lengths)
 
     def commit_tensor(self, read_item, tensor):
         pass

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import PluginError
+from .boxes import box
 from .dcp_io import read_metadata_file
 from .store import open_checkpoint, verify_crcs
 
@@ -42,10 +43,7 @@ def _assemble(step_dir: Path, md, name: str, dtype: torch.dtype) -> torch.Tensor
         with open(step_dir / info.relative_path, "rb") as f:
             f.seek(info.offset)
             piece = torch.load(io.BytesIO(f.read(info.length)), map_location="cpu", weights_only=True)
-        box = out
-        for d, (o, n) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
-            box = box.narrow(d, o, n)
-        box.copy_(piece)
+        box(out, chunk.offsets, chunk.sizes).copy_(piece)
         del piece
     return out
 

@@ -10,7 +10,17 @@ import warnings
 import pytest
 import torch
 
-from plugin.checkpoint.boxes import Entry, LocalState, Piece, TensorLayout, compose, flat_held, tp_segments, whole_held
+from plugin.checkpoint.boxes import (
+    Entry,
+    LocalState,
+    Piece,
+    TensorLayout,
+    box,
+    compose,
+    flat_held,
+    tp_segments,
+    whole_held,
+)
 from plugin.checkpoint.dcp_io import CheckpointError, read_metadata_file
 from plugin.checkpoint.directory import MANIFEST, resolve
 from plugin.checkpoint.manifest import model_problems
@@ -155,10 +165,7 @@ def test_tp_segments_place_every_shard_of_sharding_shard(tp, parts, padding, n):
         local = shard(full, 0, tp, r, parts=parts, pad=bool(pad))
         lay = TensorLayout(tp > 1, 0, parts, (-n) % tp if pad else 0)
         for p in compose(whole_held(local), tp_segments(local.shape, full.shape, lay, r, tp)):
-            box = out
-            for d, (o, s) in enumerate(zip(p.offsets, p.view.shape, strict=True)):
-                box = box.narrow(d, o, s)
-            box.copy_(p.view)
+            box(out, p.offsets, p.view.shape).copy_(p.view)
     assert torch.equal(out, full)
 
 
@@ -174,8 +181,5 @@ def test_a_transposed_conv1d_shard_lands_in_the_source_layout(tp, parts, dim):
         local = shard(linear, dim, tp, r, parts=parts)
         lay = TensorLayout(tp > 1, dim, parts, 0, transposed=True)
         for p in compose(whole_held(local), tp_segments(local.shape, source.shape, lay, r, tp)):
-            box = out
-            for d, (o, s) in enumerate(zip(p.offsets, p.view.shape, strict=True)):
-                box = box.narrow(d, o, s)
-            box.copy_(p.view)
+            box(out, p.offsets, p.view.shape).copy_(p.view)
     assert torch.equal(out, source)
