@@ -40,6 +40,16 @@ def _lenet_recipe(tmp_path, name, **changes):
     return path
 
 
+def _run_example(cmd, launcher, tmp_path, **env):
+    """Run an example's launch; a deepspeed launch's shm buffers are released even when a rank crashed."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=cpu_env(**env))
+    finally:
+        if launcher in ("deepspeed", "accelerate"):
+            flag = "--master_port" if launcher == "deepspeed" else "--main_process_port"
+            release_deepspeed_shm(cmd[cmd.index(flag) + 1])
+
+
 def _start_line(stderr: str) -> str:
     found = re.findall(r": (start: .*)$", stderr, re.M)
     assert len(found) == 1, f"rank 0 prints one start-up line, found {found}\n{stderr[-3000:]}"
@@ -68,11 +78,7 @@ def test_lenet_example_learns_data_parallel(launcher, tmp_path):
     if launcher == "deepspeed":
         need("deepspeed")
     cmd = launcher_argv(launcher, 2) + [str(LENET), "--steps", "60"]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=cpu_env())
-    finally:
-        if launcher == "deepspeed":
-            release_deepspeed_shm(cmd[cmd.index("--master_port") + 1])
+    out = _run_example(cmd, launcher, tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
     backend = "deepspeed" if launcher == "deepspeed" else _auto_backend()
     assert _start_line(out.stderr).startswith(f"start: {backend} on cpu, gloo, data 2 x tensor 1 x pipeline 1, "
@@ -107,11 +113,7 @@ def test_lenet_bf16_zero1_under_accelerate_launch(tmp_path):
         need(name)
     recipe = _lenet_recipe(tmp_path, "lenet_bf16_zero1", precision="bf16", zero={"stage": 1})
     cmd = launcher_argv("accelerate", 2) + [str(LENET), "--recipe", str(recipe), "--steps", "30"]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                             env=cpu_env(ACCELERATE_USE_CPU="true"))
-    finally:  # a crashed rank leaves DeepSpeed's shm buffers behind
-        release_deepspeed_shm(cmd[cmd.index("--main_process_port") + 1])
+    out = _run_example(cmd, "accelerate", tmp_path, ACCELERATE_USE_CPU="true")
     assert out.returncode == 0, out.stderr[-4000:]
     assert "note: accelerate launch: ZeRO-1: Accelerate's DeepSpeed plugin" in out.stderr, out.stderr[-3000:]
     assert _start_line(out.stderr).startswith("start: accelerate (deepspeed) on cpu, gloo, data 2 x tensor 1 x "
@@ -134,11 +136,7 @@ def test_hf_llama_example_trains_tp2_pp2_on_local_data(launcher, tmp_path):
         need(launcher)
     cmd = launcher_argv(launcher, 4) + [str(ROOT / "examples" / "hf_llama.py"), "--steps", "4",
                                         "--save", str(tmp_path / "ckpt")]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=cpu_env())
-    finally:
-        if launcher == "deepspeed":
-            release_deepspeed_shm(cmd[cmd.index("--master_port") + 1])
+    out = _run_example(cmd, launcher, tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
     backend = {"deepspeed": "deepspeed", "torchrun": _auto_backend(), "accelerate": "native"}[launcher]
     assert _start_line(out.stderr).startswith(f"start: {backend} on cpu, gloo, data 1 x tensor 2 x pipeline 2"), \
