@@ -52,6 +52,7 @@ def _print(est) -> None:
     print(f"{est.name}: {s.world_size} ranks = tensor {s.tp} x pipeline {s.pp} x data {s.dp}, ZeRO-{s.zero_stage}, "
           f"{s.precision}, micro-batch {s.micro_batch} x {s.micro_batches} accumulated "
           f"(global {s.global_batch}), recompute {s.recompute}"
+          + (f" (spans of {s.checkpoint_interval})" if s.recompute == "full" else "")
           + (", sequence parallel" if s.sequence_parallel else ""))
     print(f"model: reference GPT, {spec.layers} layers, hidden {spec.hidden}, heads {spec.heads}, ffn {spec.ffn}, "
           f"vocab {spec.vocab}, seq {spec.seq_len}: {params_text(spec.total_params())} parameters "
@@ -93,8 +94,12 @@ def _suggestions(s) -> list[str]:
         out.append("ZeRO stage 1 (zero.stage)")
     if s.micro_batch > 1:
         out.append("a smaller batch.micro")
-    if s.recompute == "none":
-        out.append("recompute (pipeline_parallel.activation_checkpoint_interval: 1)")
+    if s.recompute != "full":
+        out.append('full recompute (activation_checkpointing: {"mode": "full"})'
+                   + ("" if s.fused_attention or s.recompute == "selective"
+                      else ', or selective (activation_checkpointing: {"mode": "selective"})'))
+    elif s.checkpoint_interval > 1:
+        out.append(f"a shorter span (activation_checkpointing.every < {s.checkpoint_interval})")
     if s.tp > 1 and not s.sequence_parallel:
         out.append("sequence parallelism (tensor_parallel.sequence_parallel: true)")
     if not s.offload_optimizer and s.zero_stage >= 1:

@@ -1,7 +1,7 @@
 """``python -m plugin plan --model NAME|PATH.json --gpus N --gpu-memory 80GB ...``: the fastest layouts that fit.
 
-Searches every tensor x pipeline x data layout, ZeRO stage, micro-batch, recompute (none or full: a v1
-recipe has no field for selective recompute) and sequence-parallel choice (:mod:`plugin.planning.search`), keeps
+Searches every tensor x pipeline x data layout, ZeRO stage, micro-batch, recompute (none, selective, full: the
+recipe's ``activation_checkpointing``) and sequence-parallel choice (:mod:`plugin.planning.search`), keeps
 those whose most loaded rank fits, ranks them by a roofline step time and prints the top K with the reason
 for each place and the assumptions behind the ranking. ``--write`` ranks the model the written recipe
 describes (the reference GPT of the model's dimensions, :mod:`plugin.planning.to_recipe`), saves the winner, and
@@ -27,8 +27,8 @@ NOTHING_FITS = 3
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "plan", help="find the fastest layout that fits a model on a cluster",
-        description="Search every tensor x pipeline x data layout, ZeRO stage, micro-batch, recompute (none "
-                    "or full; selective recompute has no field in a v1 recipe, so it is not searched) and "
+        description="Search every tensor x pipeline x data layout, ZeRO stage, micro-batch, recompute (none, "
+                    "selective, full; selective ranks as none under fused attention, which stores no softmax) and "
                     "sequence-parallel choice; keep those that fit; rank them by a roofline step time; print "
                     "the top K with the reason for each place; --write ranks the model the written recipe "
                     "describes (the reference GPT of these dimensions) and saves the best as a recipe.",
@@ -49,6 +49,10 @@ def register(subparsers) -> None:
     p.add_argument("--top", type=positive_int, default=5, metavar="K", help="how many layouts to show (default 5)")
     p.add_argument("--write", metavar="RECIPE.json",
                    help="write the best layout as a recipe to this file (ranking the model the recipe describes)")
+    p.add_argument("--attention", choices=("fused", "eager"), default="fused",
+                   help="fused (FlashAttention / SDPA's fused kernels: no stored softmax; the default) or eager "
+                        "(the softmax and its dropout stored, as SDPA's math kernel on a CPU with dropout): only "
+                        "eager attention gives selective recompute something to drop")
     p.add_argument("--json", action="store_true", help="print JSON for machines instead of tables")
     p.set_defaults(run=run)
 
@@ -65,9 +69,14 @@ def run(args) -> int:
         return 2 if file_problem else 1
     if args.seq_len:
         spec = spec.with_seq_len(args.seq_len)
+    if args.write and args.attention != "fused":
+        print("plan: --write ranks what `estimate` of the written recipe counts, which takes attention as fused "
+              "-> drop --attention eager, or --write", file=sys.stderr)
+        return 1
     try:
         result = plan(spec, args.gpus, args.gpu_memory, gpus_per_node=args.gpus_per_node,
-                      global_batch=args.global_batch, top=args.top, as_recipe=bool(args.write))
+                      global_batch=args.global_batch, top=args.top, as_recipe=bool(args.write),
+                      fused_attention=args.attention == "fused")
     except ValueError as e:
         print(f"plan: {e}", file=sys.stderr)
         return 1

@@ -52,6 +52,7 @@ def run(args) -> int:
         "offload_param": recipe.zero.offload_param, "precision": recipe.precision,
         "sequence_parallel": recipe.tensor_parallel.sequence_parallel,
         "schedule": recipe.pipeline_parallel.schedule if layout.pipeline > 1 else None,
+        "activation_checkpointing": _recompute_words(recipe.activation_checkpointing),
         "launcher": recipe.launcher,
     }
     if args.json:
@@ -59,6 +60,13 @@ def run(args) -> int:
         return EXIT_OK
     _render(resolved, rows, gpn)
     return EXIT_OK
+
+
+def _recompute_words(ac) -> str:
+    """``none``, ``selective (attention core)`` or ``full, spans of 2 blocks``."""
+    if ac.mode == "full":
+        return f"full, spans of {ac.every} block{'s' if ac.every != 1 else ''}"
+    return "selective (attention core)" if ac.mode == "selective" else "none"
 
 
 def _peers(ranks) -> str:

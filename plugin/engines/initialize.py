@@ -168,6 +168,9 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
     from ..tensor_parallel.hooks import tensor_parallel_hooks  # imports torch: not before the checks have passed
 
     apply_tp, loss_for = tensor_parallel_hooks(model, recipe, loss_fn)
+    from .recompute import apply_activation_checkpointing
+
+    apply_activation_checkpointing(model, recipe, layers_of)  # the recipe's recompute, the same for every back end
     from ..checkpoint.adapt import model_index, recording_tp
 
     index = model_index(model)  # checkpoints name every tensor as the unsharded model does, with its global shape

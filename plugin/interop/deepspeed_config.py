@@ -53,11 +53,12 @@ def recipe_ds_config(recipe, layout) -> dict:
         cfg["zero_allow_untested_optimizer"] = True  # DeepSpeed asserts on torch.optim.SGD under ZeRO without it
     if layout.pipeline > 1:
         pp = recipe.pipeline_parallel
+        interval = recipe.activation_checkpointing.interval  # full: spans of `every` layers; else 0 (off)
         cfg["pipeline"] = {"stages": layout.pipeline, "partition": pp.partition,
-                           "activation_checkpoint_interval": pp.activation_checkpoint_interval}
+                           "activation_checkpoint_interval": interval}
         if activations_split_over_tensor(recipe):
             cfg["pipeline"].update({key: False for key in ACTIVATION_PARTITION_KEYS})
-        if pp.activation_checkpoint_interval > 0:
+        if interval > 0:
             # DeepSpeed's reentrant default fails on token ids (recipe/deepspeed_block.py says how)
             cfg["pipeline"]["use_reentrant"] = False
     return cfg
@@ -141,12 +142,18 @@ def from_ds_config(cfg: Mapping, world_size: int | None = None, name: str = "imp
     elif partition is not None:  # "profile" and the like: no recipe equivalent; the checks report it
         rest.setdefault("pipeline", {})["partition"] = partition
     interval = _pop(rest, "pipeline", "activation_checkpoint_interval")
-    if interval is not None:
-        pp["activation_checkpoint_interval"] = interval
+    kept = {}  # pipeline keys the recipe reads but a one-stage export writes no section for
+    if isinstance(interval, int) and not isinstance(interval, bool) and interval > 0:
+        recipe["activation_checkpointing"] = {"mode": "full", "every": interval}
+        kept["activation_checkpoint_interval"] = interval
+    elif interval == 0 and not isinstance(interval, bool):
+        kept["activation_checkpoint_interval"] = 0
+    elif interval is not None:  # no recipe equivalent (a float, negative): kept raw; the checks report it
+        rest.setdefault("pipeline", {})["activation_checkpoint_interval"] = interval
     if pp:
         recipe["pipeline_parallel"] = pp
-    if pipeline == 1 and (pp or stages == 1):  # the recipe exports no section for one stage: keep theirs (it agrees)
-        rest.setdefault("pipeline", {}).update({**({"stages": 1} if stages == 1 else {}), **pp})
+    if pipeline == 1 and (pp or kept or stages == 1):  # the recipe exports no section for one stage: keep theirs
+        rest.setdefault("pipeline", {}).update({**({"stages": 1} if stages == 1 else {}), **pp, **kept})
     elif _given(stages) and stages != pipeline:  # a float or the like: no recipe equivalent; the checks say so
         rest.setdefault("pipeline", {})["stages"] = stages
     recipe["batch"] = {k: v for k, v in (("global", g), ("micro", m), ("grad_accum", a)) if _given(v)} \

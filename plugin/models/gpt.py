@@ -30,6 +30,7 @@ from ..tensor_parallel.cross_entropy import token_cross_entropy
 from ..tensor_parallel.embedding import VocabParallelEmbedding
 from ..tensor_parallel.layers import ColumnParallelLinear
 from ..tensor_parallel.random import sharded_region
+from ..tensor_parallel.recompute import checkpoint
 from .gpt_config import GPTConfig
 
 __all__ = ["GPT", "GPTConfig", "gpt_loss", "EmbeddingLayer", "Block", "HeadLayer"]
@@ -86,6 +87,7 @@ class Attention(nn.Module):
                              bias=config.bias)
         self.proj = nn.Linear(config.heads * config.head_dim, config.hidden, bias=config.bias)
         self.rng = None  # this tensor rank's dropout stream, set by GPT.configure_tensor_parallel
+        self.recompute_core = False  # selective recompute, set by GPT.configure_selective_recompute
 
     def forward(self, x: torch.Tensor, out_bias: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # [seq, batch, groups * (q_per_kv + 2) * head_dim]: whole sequence even under SP
@@ -97,11 +99,20 @@ class Attention(nn.Module):
         if self.q_per_kv > 1:
             k = k.repeat_interleave(self.q_per_kv, dim=1)
             v = v.repeat_interleave(self.q_per_kv, dim=1)
-        p = self.dropout if self.training else 0.0
-        with sharded_region(self.rng if p else None, x.device):
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            # the core's saved tensors (the softmax and its dropout on SDPA's math kernel) are dropped and
+            # recomputed in backward from q, k, v, this rank's dropout stream replayed
+            y = checkpoint(self._core, q, k, v, rngs=[self.rng] if self.rng is not None else [])
+        else:
+            y = self._core(q, k, v)
         y = y.permute(2, 0, 1, 3).reshape(s, b, -1)
         return self.proj(y) if out_bias is None else self.proj(y, bias=out_bias)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + causal) with dropout, times v: the attention core."""
+        p = self.dropout if self.training else 0.0
+        with sharded_region(self.rng if p else None, q.device):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -252,6 +263,12 @@ class GPT(nn.Module):
         from .gpt_checks import check_gpt_plan
 
         return check_gpt_plan(self.config, styles, tp_size, sequence_parallel)
+
+    def configure_selective_recompute(self, enabled: bool = True) -> None:
+        """Selective recompute (the recipe's ``activation_checkpointing.mode`` ``"selective"``): each block's
+        attention core runs under the plugin's checkpoint, the rest of the block keeps its activations."""
+        for block in self.blocks:
+            block.attn.recompute_core = bool(enabled)
 
     def configure_tensor_parallel(self, ctx) -> None:
         self.tp = ctx

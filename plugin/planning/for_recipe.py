@@ -1,9 +1,9 @@
 """Estimates for a recipe: its layout as a :class:`plugin.planning.setup.Setup`, memory, traffic, time, verdict.
 
 A recipe's ``model`` block is the reference GPT (:meth:`plugin.planning.dims.ModelSpec.from_recipe_model`); its
-``pipeline_parallel.activation_checkpoint_interval`` k > 0 is full recompute with a checkpoint every k
-blocks; attention is taken as fused (FlashAttention / ``scaled_dot_product_attention``: no stored softmax);
-dropout masks are counted only when ``model.dropout`` > 0.
+``activation_checkpointing`` block is the recompute mode (``full``: a checkpoint every ``every`` blocks;
+``selective``: the attention core); attention is taken as fused (FlashAttention /
+``scaled_dot_product_attention``: no stored softmax); dropout masks are counted only when ``model.dropout`` > 0.
 Pure: no torch.
 """
 from __future__ import annotations
@@ -34,12 +34,12 @@ def recipe_world_size(recipe) -> int | None:
 def setup_from_recipe(recipe, world_size: int | None = None) -> Setup:
     """The :class:`Setup` of a recipe at ``world_size`` (default: the recipe's own, see :func:`recipe_world_size`)."""
     layout = recipe.layout(world_size if world_size is not None else recipe_world_size(recipe))
-    interval = recipe.pipeline_parallel.activation_checkpoint_interval
+    ac = recipe.activation_checkpointing
     zero = recipe.zero
     return Setup(
         tp=layout.tensor, pp=layout.pipeline, dp=layout.data, zero_stage=zero.stage,
         micro_batch=layout.micro_batch, micro_batches=layout.grad_accum,
-        recompute="full" if interval > 0 else "none", checkpoint_interval=max(1, interval),
+        recompute=ac.mode, checkpoint_interval=ac.every if ac.mode == "full" else 1,
         sequence_parallel=recipe.tensor_parallel.sequence_parallel and layout.tensor > 1,
         schedule=recipe.pipeline_parallel.schedule, virtual_stages=recipe.pipeline_parallel.virtual_stages,
         precision=recipe.precision, optimizer=recipe.optimizer.name, momentum=recipe.optimizer.momentum,

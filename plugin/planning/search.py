@@ -14,10 +14,12 @@ other fits, and the result says so. Memory grows with the micro-batch size, so t
 first micro-batch that does not fit; 512 GPUs take well under a second. A cluster is whole nodes alike
 (a recipe's ``cluster`` is nodes x gpus_per_node): more GPUs than one node holds must be a multiple of it.
 
-The recompute modes are what a recipe (v1) can say: ``none`` and ``full`` (``pipeline_parallel.
-activation_checkpoint_interval`` = 1). Selective recompute is estimated (:mod:`plugin.planning.memory`) but a
-recipe has no field for it, so it is not searched. Attention is taken as fused (FlashAttention), a SwiGLU
-MLP as a fused kernel (6sbf), dropout masks as counted when the model's dropout is above 0.
+The recompute modes are the recipe's ``activation_checkpointing`` modes: ``none``, ``selective`` (the attention
+core) and ``full`` (``"every": 1``). Attention is taken as fused (FlashAttention) unless ``fused_attention=False``
+(eager attention, or SDPA's math kernel, which stores the softmax): a fused kernel never stores the core, so
+``selective`` keeps what ``none`` keeps at the same time and is skipped there as a duplicate; with unfused
+attention it is ranked like any other mode. A SwiGLU MLP is taken as a fused kernel (6sbf), dropout masks as
+counted when the model's dropout is above 0.
 
 ``as_recipe=True`` ranks the model a recipe of the model's dimensions describes (the reference GPT,
 :meth:`plugin.planning.dims.ModelSpec.as_recipe_model`) instead of the model itself: what ``--write`` writes, and
@@ -38,7 +40,7 @@ from .steptime import HARDWARE, Hardware, StepTime, group_inside_node, step_time
 from .units import fmt_gb
 
 DEFAULT_TOKENS_PER_BATCH = 2**22  # about 4M tokens, the batch Llama 2 trained with
-RECIPE_RECOMPUTE = ("none", "full")  # what a v1 recipe can say; "selective" has no field
+RECIPE_RECOMPUTE = ("none", "selective", "full")  # activation_checkpointing.mode; the last saves the most
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,7 @@ class _Search:
     hardware: Hardware
     precision: str
     recompute_modes: Sequence[str]
+    fused_attention: bool = True
     considered: int = 0
     fits: list = field(default_factory=list)  # (time, memory, counter, Setup, Breakdown, StepTime)
     smallest: tuple | None = None  # (memory, Setup, Breakdown) of the least-memory layout tried
@@ -149,11 +152,14 @@ class _Search:
         for zero in stages:
             for sp in sps:
                 for mode in self.recompute_modes:
+                    if mode == "selective" and self.fused_attention:
+                        continue  # the fused kernel stores no core: the same memory and time as "none"
                     best = None  # this layout at its fastest micro-batch
                     for mb in micro_sizes:
                         setup = Setup(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch=mb,
                                       micro_batches=per_replica // mb, recompute=mode, sequence_parallel=sp,
-                                      precision=self.precision, dropout=self.spec.dropout > 0)
+                                      precision=self.precision, dropout=self.spec.dropout > 0,
+                                      fused_attention=self.fused_attention)
                         self.considered += 1
                         memory = memory_per_rank(self.spec, setup)
                         if self.smallest is None or memory.total < self.smallest[0]:
@@ -170,10 +176,11 @@ class _Search:
 def plan(spec: ModelSpec, gpus: int, gpu_memory: float, *, gpus_per_node: int = 8,
          global_batch: int | None = None, top: int = 5, hardware: Hardware = HARDWARE["h100"],
          precision: str = "bf16", recompute_modes: Sequence[str] = RECIPE_RECOMPUTE,
-         as_recipe: bool = False) -> PlanResult:
+         as_recipe: bool = False, fused_attention: bool = True) -> PlanResult:
     """Rank every valid layout of ``spec`` on ``gpus`` accelerators of ``gpu_memory`` bytes each.
 
-    ``as_recipe``: rank the model a recipe of ``spec``'s dimensions describes (module docstring). Raises
+    ``as_recipe``: rank the model a recipe of ``spec``'s dimensions describes (module docstring).
+    ``fused_attention``: attention on a fused kernel (no stored softmax; the default), else eager. Raises
     ValueError for sizes below 1 and for more GPUs than a node holds that do not fill whole nodes.
     """
     if gpus < 1 or gpus_per_node < 1 or top < 1:
@@ -194,7 +201,8 @@ def plan(spec: ModelSpec, gpus: int, gpu_memory: float, *, gpus_per_node: int = 
                      + "), so --write ranks that model instead")
     batch = global_batch if global_batch is not None else default_global_batch(gpus, spec.seq_len)
     usable, reserve = usable_memory(gpu_memory)
-    search = _Search(spec, gpus, gpus_per_node, usable, batch, hardware, precision, tuple(recompute_modes))
+    search = _Search(spec, gpus, gpus_per_node, usable, batch, hardware, precision, tuple(recompute_modes),
+                     fused_attention=fused_attention)
     search.run(cross_node=False)
     if not search.fits:
         search.run(cross_node=True)
@@ -207,7 +215,7 @@ def plan(spec: ModelSpec, gpus: int, gpu_memory: float, *, gpus_per_node: int = 
     result = PlanResult(spec=spec, gpus=gpus, gpus_per_node=gpus_per_node, gpu_memory=gpu_memory,
                         global_batch=batch, hardware=hardware, plans=tuple(plans), considered=search.considered,
                         fitting=len(search.fits), notes=tuple(notes), requested=requested,
-                        assumptions=assumptions(spec, recompute_modes))
+                        assumptions=assumptions(spec, recompute_modes, fused_attention))
     if plans:
         return result
     return _nothing_fits(result, search, usable, reserve)
@@ -223,15 +231,17 @@ def whole_nodes_message(gpus: int, gpus_per_node: int) -> str:
             f"each -> use --gpus {lo} or {hi}{other}")
 
 
-def assumptions(spec: ModelSpec, recompute_modes: Sequence[str]) -> tuple[str, ...]:
+def assumptions(spec: ModelSpec, recompute_modes: Sequence[str], fused_attention: bool = True) -> tuple[str, ...]:
     """What the ranking takes for granted, in words (printed by ``plan``)."""
-    modes = " and ".join(recompute_modes)
+    modes = ", ".join(recompute_modes)
+    skipped = fused_attention and "selective" in recompute_modes
     out = [f"recompute searched: {modes}"
-           + ("; selective recompute is not searched: a recipe (v1) has no field for it" if "selective"
-              not in recompute_modes else ""),
+           + ("; selective ranks as none here (a fused attention kernel stores no softmax, so there is no core "
+              "to recompute): listed only for unfused attention" if skipped else ""),
            "data-parallel traffic timed as DeepSpeed runs it (overlap_comm off at ZeRO 0-2: gradient "
            "reductions exposed; on at ZeRO-3: gathers prefetched); torch DDP would hide more of ZeRO-0's",
-           "attention fused (FlashAttention / SDPA: no stored softmax); dropout "
+           ("attention fused (FlashAttention / SDPA: no stored softmax); dropout " if fused_attention else
+            "attention unfused (eager, or SDPA's math kernel: the softmax and its dropout stored); dropout ")
            + (f"{spec.dropout:g}: masks counted" if spec.dropout else "off (no masks)")]
     if spec.mlp == "swiglu":
         out.append("SwiGLU as a fused kernel (6sbf stored); eager PyTorch stores 8sbf")
@@ -254,7 +264,7 @@ def _nothing_fits(result: PlanResult, search: _Search, usable: float, reserve: f
     need, setup, memory = search.smallest
     short = need - usable
     more_gpus = _gpus_that_fit(spec, gpus, result.gpus_per_node, usable, result.hardware, search.precision,
-                               search.recompute_modes)
+                               search.recompute_modes, search.fused_attention)
     options = [f"accelerators with at least {fmt_gb(need + reserve, 0)} each"]
     if more_gpus:
         options.append(f"{more_gpus} GPUs (the smallest power-of-two multiple of {gpus} where a layout fits)")
@@ -269,7 +279,7 @@ def _nothing_fits(result: PlanResult, search: _Search, usable: float, reserve: f
 
 
 def _gpus_that_fit(spec: ModelSpec, gpus: int, gpus_per_node: int, usable: float, hardware: Hardware,
-                   precision: str, modes: Sequence[str]) -> int | None:
+                   precision: str, modes: Sequence[str], search_fused: bool = True) -> int | None:
     """The smallest gpus x 2^k (k <= 10) where some layout fits, at micro-batch 1; None if none."""
     for k in range(1, 11):
         n = gpus * 2**k
@@ -281,7 +291,8 @@ def _gpus_that_fit(spec: ModelSpec, gpus: int, gpus_per_node: int, usable: float
                 zero = 3 if (pp == 1 and dp > 1) else (1 if dp > 1 else 0)
                 setup = Setup(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch=1, micro_batches=max(pp, 1),
                               recompute=modes[-1], sequence_parallel=tp > 1 and spec.seq_len % tp == 0,
-                              precision=precision, dropout=spec.dropout > 0)
+                              precision=precision, dropout=spec.dropout > 0,
+                              fused_attention=search_fused)
                 if memory_per_rank(spec, setup).total <= usable:
                     return n
     return None

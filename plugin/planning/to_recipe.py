@@ -17,20 +17,17 @@ from .units import fmt_gb, fmt_seconds
 def to_recipe_data(plan_, result, name: str = "") -> dict:
     """A recipe (JSON data) for a plan: degrees, ZeRO stage, batch, memory savers, model and cluster.
 
-    Full recompute is written as ``pipeline_parallel.activation_checkpoint_interval: 1`` (a checkpoint at
-    every block). The model block carries the dimensions and dropout; the cluster is the planned one,
+    Recompute is written as ``activation_checkpointing`` (``{"mode": "full", "every": k}``, or ``{"mode":
+    "selective"}``). The model block carries the dimensions and dropout; the cluster is the planned one,
     whole nodes (``result.gpus`` is one node's share or a multiple of ``gpus_per_node``: :func:`plugin.
     planner.plan` refuses anything else). Raises ValueError for a plan ranked for a model a recipe cannot
-    describe (plan with ``as_recipe=True``) or with selective recompute (no recipe field).
+    describe (plan with ``as_recipe=True``).
     """
     s, spec = plan_.setup, result.spec
     if not spec.is_recipe_model():
         raise ValueError(f"{spec.name} has an architecture a recipe's model block cannot state "
                          f"({', '.join(spec.as_recipe_model().architecture_differences(spec))} in the recipe's "
                          f"reference GPT): plan with as_recipe=True to rank the model the recipe describes")
-    if s.recompute == "selective":
-        raise ValueError("a recipe has no field for selective recompute; plan with recompute_modes "
-                         "('none', 'full') to write one")
     name = name or f"plan_{spec.name}_{result.gpus}gpus"
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", name) or "plan"
     per_node = min(result.gpus, result.gpus_per_node)
@@ -45,11 +42,12 @@ def to_recipe_data(plan_, result, name: str = "") -> dict:
     }
     if s.tp > 1:
         data["tensor_parallel"] = {"sequence_parallel": s.sequence_parallel, "plan": "auto"}
-    if s.pp > 1 or s.recompute == "full":
-        block: dict = {"schedule": s.schedule}
-        if s.recompute == "full":
-            block["activation_checkpoint_interval"] = s.checkpoint_interval
-        data["pipeline_parallel"] = block
+    if s.pp > 1:
+        data["pipeline_parallel"] = {"schedule": s.schedule}
+    if s.recompute == "full":
+        data["activation_checkpointing"] = {"mode": "full", "every": s.checkpoint_interval}
+    elif s.recompute == "selective":
+        data["activation_checkpointing"] = {"mode": "selective"}
     data["batch"] = {"global": s.global_batch, "micro": s.micro_batch}
     data["precision"] = s.precision
     data["optimizer"] = {"name": "adamw", "lr": 0.0003, "weight_decay": 0.1, "betas": [0.9, 0.95]}

@@ -150,6 +150,18 @@ def check_pipeline(recipe: Recipe, layout: Layout | None) -> Problems:
                           'write "type:" followed by a Python regex matching layer class names, e.g. "type:Block"')
 
 
+def check_activation_checkpointing(recipe: Recipe, layout: Layout | None) -> Problems:
+    ac, m = recipe.activation_checkpointing, recipe.model
+    if ac.mode != "full" and ac.every != 1:
+        yield Problem("$.activation_checkpointing.every", f'every {ac.every} is only read under "mode": "full", '
+                      f'the recipe has "{ac.mode}"', f'set "mode": "full" (spans of {ac.every} blocks), or drop '
+                      '"every"', WARNING)
+    if ac.mode == "full" and m is not None and ac.every > m.layers:
+        yield Problem("$.activation_checkpointing.every", f"every {ac.every} > layers {m.layers}: one span holds "
+                      "every block, so backward recomputes the whole model at once",
+                      f'use "every" <= {m.layers} (1 keeps the least)', WARNING)
+
+
 def check_native_back_end(recipe: Recipe, layout: Layout | None = None, *, chosen: bool = False) -> Problems:
     """What the native back end (DDP / ZeroRedundancyOptimizer / FSDP2) cannot do: DeepSpeed's nvme offload, and
     offload below ZeRO-2. As a recipe rule only where the recipe names that back end (``"launcher"``
@@ -215,7 +227,8 @@ def check_name(recipe: Recipe, layout: Layout | None) -> Problems:
 
 
 RULES = (check_zero, check_batch_and_world, check_model_dims, check_tensor_parallel, check_pipeline,
-         check_native_back_end, check_precision_and_optimizer, check_cluster, check_name, check_deepspeed_block)
+         check_activation_checkpointing, check_native_back_end, check_precision_and_optimizer, check_cluster,
+         check_name, check_deepspeed_block)
 
 
 def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]:

@@ -157,16 +157,16 @@ def owned_keys(recipe, layout) -> dict:
     tree["pipeline"] = {
         "stages": Owned(recipe.parallelism.pipeline, "$.parallelism.pipeline"),
         "partition": Owned(pp.partition, "$.pipeline_parallel.partition"),
-        "activation_checkpoint_interval": Owned(pp.activation_checkpoint_interval,
-                                                "$.pipeline_parallel.activation_checkpoint_interval"),
+        "activation_checkpoint_interval": Owned(recipe.activation_checkpointing.interval,
+                                                "$.activation_checkpointing"),
     }
     if activations_split_over_tensor(recipe):  # partitioning would rebuild stage outputs from mixed sequence slices
         for key in ACTIVATION_PARTITION_KEYS:
             tree["pipeline"][key] = Owned(False, "$.tensor_parallel.sequence_parallel")
-    if recipe.parallelism.pipeline > 1 and pp.activation_checkpoint_interval > 0:
+    if recipe.parallelism.pipeline > 1 and recipe.activation_checkpointing.interval > 0:
         # DeepSpeed's reentrant checkpoint (its default) gives a layer range fed integer token ids no gradients:
         # backward fails at the first stage ("element 0 of tensors does not require grad"), measured on 0.19.8
-        tree["pipeline"]["use_reentrant"] = Owned(False, "$.pipeline_parallel.activation_checkpoint_interval")
+        tree["pipeline"]["use_reentrant"] = Owned(False, "$.activation_checkpointing")
     if recipe.optimizer.name == "sgd" and z.stage >= 1:
         tree["zero_allow_untested_optimizer"] = Owned(True, "$.optimizer.name")
     return tree

@@ -81,6 +81,23 @@ def _integral_float(inst, schema: dict) -> bool:
     return any(alt.get("type") == "integer" for alt in alternatives)
 
 
+def _moved_interval(value) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return (f'write "activation_checkpointing": {{"mode": "full", "every": {value}}} at the top level of the '
+                "recipe and drop this key (the same recompute: spans of "
+                f"{value} layer{'s' if value != 1 else ''}, on every layout now)")
+    if value == 0:
+        return 'drop this key (0 was off, the default: "activation_checkpointing": {"mode": "none"})'
+    return ('write "activation_checkpointing": {"mode": "full", "every": K} at the top level (K layers per '
+            "checkpointed span) and drop this key")
+
+
+# Keys that were part of the recipe and moved: ((parent path), key) -> (new JSON path, the fix for a value).
+MOVED = {
+    (("pipeline_parallel",), "activation_checkpoint_interval"): ("$.activation_checkpointing", _moved_interval),
+}
+
+
 def _problem(error) -> list[Problem]:
     path = json_path(error.absolute_path)
     v, schema, inst = error.validator, error.schema, error.instance
@@ -93,6 +110,13 @@ def _problem(error) -> list[Problem]:
         out = []
         for key in inst:
             if key in allowed:
+                continue
+            moved = MOVED.get((tuple(str(p) for p in error.absolute_path), key))
+            if moved is not None:
+                new_path, fix = moved
+                out.append(Problem(json_path(list(error.absolute_path) + [key]),
+                                   f"{json.dumps(key)} moved to {new_path} (activation checkpointing is its own "
+                                   "block now, for every layout)", fix(inst[key])))
                 continue
             hint = _did_you_mean(key, allowed) or ("allowed keys: " + ", ".join(allowed) if allowed else "remove it")
             out.append(Problem(json_path(list(error.absolute_path) + [key]), f"unknown key {json.dumps(key)}", hint))

@@ -52,7 +52,21 @@ class PipelineParallel:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     partition: str = "parameters"
-    activation_checkpoint_interval: int = 0
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointing:
+    """Recompute in backward: ``"none"``, ``"full"`` (spans of ``every`` consecutive blocks, each span's input
+    kept) or ``"selective"`` (the attention core only). DeepSpeed's ``activation_checkpoint_interval`` k is
+    ``full`` with ``every`` k."""
+    mode: str = "none"
+    every: int = 1
+
+    @property
+    def interval(self) -> int:
+        """Layers per checkpointed span as DeepSpeed's ``pipeline.activation_checkpoint_interval`` counts
+        them: ``every`` under full, 0 (off) otherwise."""
+        return self.every if self.mode == "full" else 0
 
 
 @dataclass(frozen=True)
@@ -117,6 +131,7 @@ class Recipe:
     zero: Zero = Zero()
     tensor_parallel: TensorParallel = TensorParallel()
     pipeline_parallel: PipelineParallel = PipelineParallel()
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing()
     precision: str = "fp32"
     fp16: LossScale | None = None
     optimizer: Optimizer = Optimizer()

@@ -2,7 +2,7 @@
 (``plugin.initialize(..., backend="deepspeed")``):
 
 * tensor x pipeline x sequence parallel with dropout 0.1 (cpu_tp2_sp_pp2, tp2 x pp2):
-  - activation checkpointing (``activation_checkpoint_interval`` 1) gives the per-step losses of the same run
+  - activation checkpointing (``activation_checkpointing`` full, every 1) gives the per-step losses of the same run
     without it, bitwise: the recompute draws the forward's tensor-parallel dropout masks
     (:mod:`plugin.tensor_parallel.recompute`); dropout 0.1 really draws masks (other losses than dropout 0);
   - a run saved after step 2 and resumed by a fresh engine (its generators moved elsewhere first) gives the
@@ -14,7 +14,8 @@
   (:data:`plugin.engines.deepspeed.config.ENGINE_ADJUSTED_KEYS`), for that pipeline, ZeRO-1 with optimizer offload
   at tp2 x dp2, and ZeRO-3 at dp4.
 
-The native back end's recompute is held to the same in :mod:`.test_native_engine`.
+The native back end's recompute is held to the same in :mod:`.test_native_engine`; both back ends' recompute
+(full and selective, with and without pipelines) against no recompute, gradient for gradient, in :mod:`.test_recompute`.
 """
 import pytest
 
@@ -38,8 +39,10 @@ def _recipe(base, **blocks):
 
 
 def _dropout_recipe(dropout, interval):
-    pp = {"schedule": "1f1b", "partition": "uniform", "activation_checkpoint_interval": interval}
-    return _recipe("cpu_tp2_sp_pp2", model={**MODEL, "dropout": dropout}, pipeline_parallel=pp)
+    pp = {"schedule": "1f1b", "partition": "uniform"}
+    ac = {"mode": "full" if interval else "none", "every": max(1, interval)}
+    return _recipe("cpu_tp2_sp_pp2", model={**MODEL, "dropout": dropout}, pipeline_parallel=pp,
+                   activation_checkpointing=ac)
 
 
 def _engine(recipe):

@@ -33,8 +33,7 @@ FP32 = {  # name -> (base recipe, {block: replacement})
     "tp2_dp2_zero2": ("cpu_tp2_dp2", {"zero": {"stage": 2}}),
     "tp2_dp2_zero3": ("cpu_tp2_dp2", {"zero": {"stage": 3}}),
     "tp2_sp_dp2": ("cpu_tp2_dp2", {"tensor_parallel": {"sequence_parallel": True}}),
-    "pp2_dp2_checkpointed": ("cpu_pp2_dp2", {"pipeline_parallel": {"schedule": "1f1b", "partition": "parameters",
-                                                                   "activation_checkpoint_interval": 1}}),
+    "pp2_dp2_checkpointed": ("cpu_pp2_dp2", {"activation_checkpointing": {"mode": "full", "every": 1}}),
     "dp4_zero3_offload": ("cpu_dp4", {"zero": {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"}}),
 }
 LOW = {  # name -> (base recipe, blocks, precision, rtol against fp32)
@@ -160,8 +159,10 @@ def _run_all(rank, world_size):
     references = {}
     dropout = {"layers": 4, "hidden": 64, "heads": 4, "ffn_hidden": 256, "vocab": 128, "seq_len": 64, "dropout": 0.1}
     for interval, p in ((0, 0.1), (1, 0.1), (0, 0.0)):  # tensor-parallel dropout streams replayed when checkpointed
-        pp = {"schedule": "1f1b", "partition": "uniform", "activation_checkpoint_interval": interval}
+        pp = {"schedule": "1f1b", "partition": "uniform"}
         recipe = _recipe("cpu_tp2_pp2", {"model": {**dropout, "dropout": p}, "pipeline_parallel": pp,
+                                         "activation_checkpointing": {"mode": "full" if interval else "none",
+                                                                      "every": max(1, interval)},
                                          "tensor_parallel": {"sequence_parallel": True}})
         engine, out[f"dropout_{p}_checkpoint_{interval}"], _ = _train(recipe)
         out["tp_stream"] = (engine.groups.pp_rank, engine.groups.tp_rank, _tp_stream_seed(engine))

@@ -15,9 +15,11 @@ Optimizer: the recipe's torch.optim optimizer (fused on CUDA), except DeepSpeed'
 on CUDA where that op builds (:mod:`plugin.engines.deepspeed.optimizer`). The exported ds_config is what the
 engine runs, but for the keys :data:`.config.ENGINE_ADJUSTED_KEYS` names (the optimizer section, bucket sizes, logging).
 
-Activation checkpointing (``activation_checkpoint_interval >= 1``): the PipelineModule checkpoints its layer
-ranges with :func:`plugin.tensor_parallel.recompute.checkpoint` (torch's non-reentrant checkpoint, replaying the
-tensor-parallel dropout streams), the native pipeline's function.
+Activation checkpointing (the recipe's ``activation_checkpointing``, :mod:`plugin.engines.recompute`): under
+pipeline > 1 with ``"full"``, the PipelineModule checkpoints its layer ranges (``activation_checkpoint_interval``
+= ``every``) with :func:`plugin.tensor_parallel.recompute.checkpoint` (torch's non-reentrant checkpoint, replaying
+the tensor-parallel dropout streams), the native pipeline's function; at pipeline 1, and for ``"selective"``, the
+model already recomputes as :func:`plugin.engines.initialize.initialize` set it.
 
 Checkpoints: the checkpoint room's format, DeepSpeed's partitions read in place (:mod:`.state`).
 
@@ -199,7 +201,7 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
         pp = recipe.pipeline_parallel
         module = _stage_class(PipelineModule)(layers=layers_of(model), topology=ds_topology,
                                               partition_method=pp.partition,
-                                              activation_checkpoint_interval=pp.activation_checkpoint_interval)
+                                              activation_checkpoint_interval=recipe.activation_checkpointing.interval)
         groups = ParallelGroups.from_deepspeed_grid(module._grid)  # one grid: its slice group is the tensor group
         loss_fn = module.loss_fn = loss_for(groups.tensor_group)
         if layout.tensor > 1:
@@ -237,7 +239,7 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
         optimizer, params = build_optimizer(module.parameters(), recipe.optimizer, fused=choice.fused), None
     ds_engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, model_parameters=params,
                                               config=config, mpu=mpu)
-    if layout.pipeline > 1 and recipe.pipeline_parallel.activation_checkpoint_interval > 0:
+    if layout.pipeline > 1 and recipe.activation_checkpointing.interval > 0:
         # After initialize, which installs DeepSpeed's own checkpoint function: that one replays torch's and
         # DeepSpeed's generators but not the tensor-parallel dropout streams, so recomputed masks would differ.
         ds_engine.module.activation_checkpoint_func = checkpoint_func(tensor_parallel_rngs(module))

@@ -11,9 +11,10 @@ over the data group.
 * Data parallelism: each stage module is wrapped in DDP over the data group (:func:`.common.wrap_ddp`; the stages
   all-reduce at their last backward); ZeRO-1 adds ``ZeroRedundancyOptimizer`` over the same group. ZeRO-2/3 with
   pipeline > 1 is refused by the recipe checks (as DeepSpeed refuses it).
-* ``activation_checkpoint_interval = k``: every k consecutive layers of a stage run under
-  ``torch.utils.checkpoint`` (non-reentrant), as DeepSpeed's PipelineModule checkpoints layer ranges, the
-  recompute replaying the tensor-parallel dropout streams (:mod:`plugin.tensor_parallel.recompute`).
+* ``activation_checkpointing`` ``{"mode": "full", "every": k}``: every k consecutive layers of a stage run under
+  torch's non-reentrant checkpoint, as DeepSpeed's PipelineModule checkpoints layer ranges, the recompute
+  replaying the tensor-parallel dropout streams: :func:`plugin.engines.recompute.run_layers`, the loop a whole
+  model runs at pipeline 1 too. ``"selective"`` is set in the model's attention (:mod:`plugin.engines.recompute`).
 * The loss: the last stage's micro-batch mean, averaged over its data group, broadcast over the pipeline
   group, the same float on every rank (DeepSpeed's ``train_batch`` semantics).
 
@@ -33,8 +34,8 @@ from torch import nn
 
 from ...pipeline_parallel.stages import stages_of_rank
 from ...tensor_parallel.random import tensor_parallel_rngs
-from ...tensor_parallel.recompute import checkpoint
 from ..context import BuildContext
+from ..recompute import run_layers
 from .common import NativeEngine, build_scaler, ids_of, native_optimizer, tensor_sharded_names, wrap_ddp
 
 
@@ -56,25 +57,7 @@ class StageModule(nn.Module):
         # The schedule passes a tuple between stages as separate arguments (a transformers stage list's
         # (hidden, mask, positions)); the layers take it as one tuple, as DeepSpeed's PipelineModule gives it.
         x = xs[0] if len(xs) == 1 else xs
-        layers = list(self.layers.values())
-        k = self.checkpoint_interval
-        if not k or not torch.is_grad_enabled():
-            for layer in layers:
-                x = layer(x)
-            return x
-        for start in range(0, len(layers), k):
-            chunk = layers[start:start + k]
-            if any(p.requires_grad for layer in chunk for p in layer.parameters()):
-                x = checkpoint(_run, chunk, x, rngs=self.rngs)
-            else:
-                x = _run(chunk, x)
-        return x
-
-
-def _run(layers, x):
-    for layer in layers:
-        x = layer(x)
-    return x
+        return run_layers(list(self.layers.values()), x, self.checkpoint_interval, self.rngs)
 
 
 _SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
@@ -149,7 +132,7 @@ def build_pipeline(ctx: BuildContext, groups, bounds: list[int]) -> PipelineEngi
     layers = ctx.layers_of(ctx.model)  # the same objects, now sharded
     mine = stages_of_rank(groups.pp_rank, layout.pipeline, virtual)
     modules = {s: StageModule({i: layers[i] for i in range(bounds[s], bounds[s + 1])},
-                              pp_cfg.activation_checkpoint_interval) for s in mine}
+                              recipe.activation_checkpointing.interval) for s in mine}
     container = nn.ModuleDict({str(s): m for s, m in modules.items()})
     if ctx.on_meta:  # this rank's stages only: the other stages' layers stay on meta here
         ctx.materialize(held={id(t) for t in [*container.parameters(), *container.buffers()]})

@@ -85,9 +85,13 @@ def test_plan_refuses_gpus_that_do_not_fill_whole_nodes():
 
 def test_plan_says_what_it_does_not_search():
     r = cli("plan", "--help")
-    assert "selective recompute has no field in a v1 recipe, so it is not searched" in " ".join(r.stdout.split())
+    help_text = " ".join(r.stdout.split())
+    assert "recompute (none, selective, full; selective ranks as none under fused attention" in help_text
     r = cli("plan", "--model", "llama2-7b", "--gpus", "8", "--gpu-memory", "80GB", "--top", "1")
-    assert "assumes: recompute searched: none and full; selective recompute is not searched" in r.stdout
+    assert "assumes: recompute searched: none, selective, full; selective ranks as none here" in r.stdout
+    r = cli("plan", "--model", "gpt3-6.7b", "--gpus", "8", "--gpu-memory", "24GB", "--top", "1", "--attention", "eager")
+    assert r.returncode == 0, r.stderr
+    assert "selective" in r.stdout and "attention unfused" in r.stdout
     assert "assumes: data-parallel traffic timed as DeepSpeed runs it" in r.stdout
 
 

@@ -13,6 +13,7 @@ from plugin.interop.accelerate_config import to_accelerate_config
 from plugin.interop.deepspeed_config import DEEPSPEED_DEFAULT_GRADIENT_CLIPPING, from_ds_config, to_ds_config
 from plugin.recipe.checks import load_recipe
 from plugin.recipe.load import recipe_from_data, shipped_recipes
+from plugin.recipe.spec import ActivationCheckpointing
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -158,13 +159,36 @@ def test_sequence_parallel_pipelines_turn_deepspeeds_activation_partitioning_off
 def test_checkpointed_pipelines_export_deepspeeds_non_reentrant_checkpoint():
     """DeepSpeed's reentrant checkpoint (its default) fails in backward on a first stage fed token ids."""
     base = load_recipe("cpu_pp2_dp2")
-    pp = dataclasses.replace(base.pipeline_parallel, activation_checkpoint_interval=1)
-    checkpointed = dataclasses.replace(base, pipeline_parallel=pp)
+    checkpointed = dataclasses.replace(base, activation_checkpointing=ActivationCheckpointing("full", 2))
     assert to_ds_config(checkpointed)["pipeline"]["use_reentrant"] is False
+    assert to_ds_config(checkpointed)["pipeline"]["activation_checkpoint_interval"] == 2  # spans of `every` layers
     assert "use_reentrant" not in to_ds_config(base)["pipeline"]
     errors = _errors(dataclasses.replace(checkpointed, deepspeed={"pipeline": {"use_reentrant": True}}))
     assert set(errors) == {"$.deepspeed.pipeline.use_reentrant"}
-    assert "$.pipeline_parallel.activation_checkpoint_interval" in errors["$.deepspeed.pipeline.use_reentrant"].format()
+    assert "$.activation_checkpointing" in errors["$.deepspeed.pipeline.use_reentrant"].format()
+    # selective recompute is the model's own (the attention core): DeepSpeed's pipeline checkpoints nothing
+    selective = dataclasses.replace(base, activation_checkpointing=ActivationCheckpointing("selective"))
+    assert to_ds_config(selective)["pipeline"]["activation_checkpoint_interval"] == 0
+    assert "use_reentrant" not in to_ds_config(selective)["pipeline"]
+    wrong = _errors(dataclasses.replace(checkpointed, deepspeed={"pipeline": {"activation_checkpoint_interval": 1}}))
+    assert set(wrong) == {"$.deepspeed.pipeline.activation_checkpoint_interval"}
+    assert "$.activation_checkpointing" in wrong["$.deepspeed.pipeline.activation_checkpoint_interval"].format()
+
+
+def test_import_reads_deepspeeds_interval_as_full_recompute_and_round_trips():
+    """pipeline.activation_checkpoint_interval k > 0 is {"mode": "full", "every": k}; the export gives k back."""
+    cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "gradient_clipping": 1.0, "zero_optimization": {"stage": 1},
+           "pipeline": {"stages": 2, "partition": "uniform", "activation_checkpoint_interval": 3,
+                        "use_reentrant": False}}
+    data = from_ds_config(cfg, world_size=4)
+    assert data["activation_checkpointing"] == {"mode": "full", "every": 3}
+    assert "activation_checkpoint_interval" not in data.get("pipeline_parallel", {})
+    recipe, problems = recipe_from_data(data)
+    assert recipe is not None and not [p for p in problems if p.is_error], problems
+    assert to_ds_config(recipe, 4)["pipeline"]["activation_checkpoint_interval"] == 3
+    off = from_ds_config({**cfg, "pipeline": {"stages": 2, "activation_checkpoint_interval": 0}}, world_size=4)
+    assert "activation_checkpointing" not in off
 
 
 def test_raw_batch_keys_are_checked_before_the_world_size_is_known():
@@ -384,8 +408,7 @@ def _expected(recipe, lay) -> dict:
             "optimizer": {"adamw": "adamw", "adam": "adam", "sgd": "SGD"}[recipe.optimizer.name],
             # DeepSpeed partitions stage outputs over the tensor group by default: not sequence slices
             "pipe_partitioned": not sequence_parallel_pipeline, "grad_partitioned": not sequence_parallel_pipeline,
-            "use_reentrant": False if lay.pipeline > 1 and recipe.pipeline_parallel.activation_checkpoint_interval
-            else None}
+            "use_reentrant": False if lay.pipeline > 1 and recipe.activation_checkpointing.interval else None}
 
 
 def _beyond_the_shipped_recipes() -> dict:
@@ -410,7 +433,7 @@ def _beyond_the_shipped_recipes() -> dict:
                                      "nvme_path": "/local_nvme"}, launcher="deepspeed", precision="bf16"),
         "sgd_zero1": recipe(zero={"stage": 1}, optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9}),
         "checkpointed_pipeline": recipe(parallelism={"data": 2, "pipeline": 2},
-                                        pipeline_parallel={"activation_checkpoint_interval": 1}),
+                                        activation_checkpointing={"mode": "full", "every": 1}),
     }
 
 

@@ -91,5 +91,29 @@ def test_transformers_gradient_checkpointing_is_refused_for_the_recipes_field():
     assert not [p for p in check_model(model, recipe) if p.is_error]
     model.gradient_checkpointing_enable()
     errors = [p.format() for p in check_model(model, recipe) if p.is_error]
-    assert len(errors) == 1 and "$.pipeline_parallel.activation_checkpoint_interval" in errors[0]
-    assert "gradient_checkpointing_enable" in errors[0]
+    assert len(errors) == 1 and "$.activation_checkpointing" in errors[0]
+    assert "gradient_checkpointing_enable" in errors[0] and '"mode": "full"' in errors[0]
+
+
+def test_recompute_a_transformers_model_cannot_take_is_refused_by_name():
+    """Outside pipelines a transformers model checkpoints each decoder layer (spans need keyword arguments carried
+    from layer to layer), and it has no attention-core hook for selective recompute."""
+    import dataclasses
+
+    from plugin.engines.model_checks import check_model
+    from plugin.recipe.checks import load_recipe
+    from plugin.recipe.spec import ActivationCheckpointing
+
+    model, recipe = build("llama"), load_recipe("cpu_single")
+
+    def errors(mode, every=1, pipeline=1):
+        r = dataclasses.replace(recipe, activation_checkpointing=ActivationCheckpointing(mode, every),
+                                parallelism=dataclasses.replace(recipe.parallelism, pipeline=pipeline))
+        return [p.format() for p in check_model(model, r) if p.is_error]
+
+    assert errors("full") == [] and errors("full", 2, pipeline=2) == []
+    spans = errors("full", 2)
+    assert len(spans) == 1 and "$.activation_checkpointing.every" in spans[0] and '"every": 1' in spans[0]
+    selective = errors("selective")
+    assert len(selective) == 1 and "$.activation_checkpointing.mode" in selective[0]
+    assert 'use "mode": "full"' in selective[0]

@@ -89,7 +89,9 @@ def test_recompute_and_pipeline_are_written():
         data = to_recipe_data(p, result)
         recipe, problems = recipe_from_data(data)
         assert recipe is not None, problems
-        assert (recipe.pipeline_parallel.activation_checkpoint_interval > 0) == (p.setup.recompute == "full")
+        assert recipe.activation_checkpointing.mode == p.setup.recompute
+        if p.setup.recompute == "full":
+            assert recipe.activation_checkpointing.every == p.setup.checkpoint_interval
         assert recipe.tensor_parallel.sequence_parallel == p.setup.sequence_parallel
         assert recipe.zero.stage == p.setup.zero_stage
 
@@ -348,10 +350,29 @@ def test_gpus_must_fill_whole_nodes():
 def test_the_assumptions_say_what_is_not_searched():
     result = plan(LLAMA7, 8, 80e9, top=1)
     text = " ".join(result.assumptions)
-    assert "selective recompute is not searched: a recipe (v1) has no field for it" in text
+    assert "recompute searched: none, selective, full; selective ranks as none here" in text
     assert "DeepSpeed" in text and "SwiGLU" in text
-    assert all(p.setup.recompute in ("none", "full") for p in result.plans)
+    # a fused kernel stores no attention core: selective would repeat none's rows, so it is skipped there
+    assert all(p.setup.recompute in ("none", "full") for p in plan(LLAMA7, 8, 80e9, top=10).plans)
     assert result.to_json()["assumptions"] == list(result.assumptions)
+
+
+def test_plan_searches_selective_recompute_and_writes_it():
+    """With unfused attention the softmax and its dropout are stored, and selective recompute drops them at the cost
+    of the attention core once more: on 8 x 24 GB, GPT-3 6.7B's fastest layout that fits is a selective one (none
+    does not fit at that layout, full is slower), and the recipe written from it says so."""
+    spec = get_preset("gpt3-6.7b")
+    result = plan(spec, 8, 24e9, top=3, fused_attention=False, as_recipe=True)
+    best = result.plans[0].setup
+    assert best.recompute == "selective" and not best.fused_attention, best.label()
+    none = memory_per_rank(spec, dataclasses.replace(best, recompute="none")).total
+    assert none > usable_memory(24e9)[0] >= result.plans[0].memory.total
+    assert "attention unfused" in " ".join(result.assumptions)
+    data = to_recipe_data(result.plans[0], result)
+    assert data["activation_checkpointing"] == {"mode": "selective"}
+    recipe, problems = recipe_from_data(data)
+    assert recipe is not None and not [p for p in problems if p.is_error], problems
+    assert recipe.activation_checkpointing.mode == "selective"
 
 
 # ---------------------------------------------------------------- step time: DeepSpeed's overlap
