@@ -14,7 +14,7 @@ def activation_terms_per_layer(seq_len: int, micro_batch: int, hidden: int, head
                                kv_heads: int | None = None, ffn_hidden: int | None = None,
                                mlp: str = "gelu", bytes_per_value: float = 2,
                                fused_attention: bool = False, dropout: bool = True,
-                               fused_swiglu: bool = True) -> list[tuple[str, float]]:
+                               fused_swiglu: bool = True, mask_bytes: float = 1) -> list[tuple[str, float]]:
     """The stored activations of one transformer block for one micro-batch, each tensor named, in bytes.
 
     Korthikanti et al. 2022, Section 4.1, tensor by tensor (16-bit values, 1-byte dropout masks). With
@@ -31,7 +31,9 @@ def activation_terms_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     Dropout is on, as in the paper; ``dropout=False`` (probability 0) drops the three masks and the
     separate post-dropout attention probabilities. ``fused_attention`` (FlashAttention, or torch's
     ``scaled_dot_product_attention`` on its fused kernels) never stores the softmax: the 5as^2b terms go,
-    as under selective recompute, at no recompute cost of its own.
+    as under selective recompute, at no recompute cost of its own. ``mask_bytes``: bytes of one dropout-mask
+    value, 1 (CUDA's fused dropout, the paper); the CPU's dropout keeps its mask in the input's dtype
+    (``input * noise``), so ``bench/activations_recompute.py`` passes ``bytes_per_value`` there.
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
@@ -52,13 +54,13 @@ def activation_terms_per_layer(seq_len: int, micro_batch: int, hidden: int, head
         terms.append(("softmax_output", 2 * w * a * s * s * b / t))
         if dropout:
             terms += [
-                ("softmax_dropout_mask", a * s * s * b / t),
+                ("softmax_dropout_mask", mask_bytes * a * s * s * b / t),
                 ("attention_probs_after_dropout", 2 * w * a * s * s * b / t),
             ]
     terms += [
         ("v", 2 * w * sbh * (g / a) / t),
         ("attn_proj_input", 2 * w * sbh / t),
-        ("attn_dropout_mask", sbh / rep if dropout else 0.0),
+        ("attn_dropout_mask", mask_bytes * sbh / rep if dropout else 0.0),
         ("mlp_norm_input", 2 * w * sbh / rep),
         ("fc1_input", 2 * w * sbh / rep),
     ]
@@ -70,7 +72,7 @@ def activation_terms_per_layer(seq_len: int, micro_batch: int, hidden: int, head
         terms.append(("gelu_input", 2 * w * s * b * f / t))
     terms += [
         ("fc2_input", 2 * w * s * b * f / t),
-        ("mlp_dropout_mask", sbh / rep if dropout else 0.0),
+        ("mlp_dropout_mask", mask_bytes * sbh / rep if dropout else 0.0),
     ]
     return [(k, v) for k, v in terms if v or dropout]
 
@@ -80,7 +82,7 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
                                kv_heads: int | None = None, ffn_hidden: int | None = None,
                                mlp: str = "gelu", bytes_per_value: float = 2,
                                fused_attention: bool = False, dropout: bool = True,
-                               fused_swiglu: bool = True) -> float:
+                               fused_swiglu: bool = True, mask_bytes: float = 1) -> float:
     """Activation bytes of one transformer block for one micro-batch: Korthikanti et al. 2022, Table 2.
 
     ==========================================  =========================
@@ -95,10 +97,11 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     The extra keywords (GQA ``kv_heads``, ``ffn_hidden``, ``mlp="swiglu"``, ``bytes_per_value=4`` for fp32)
     generalise the count; left at their defaults the result is the table's formula exactly.
     ``fused_attention=True`` drops the 5as/h terms (FlashAttention stores no softmax); ``dropout=False``
-    the dropout masks (and 3as/h of the 5as/h); ``fused_swiglu=False`` counts eager SwiGLU (8sbf, not 6sbf).
+    the dropout masks (and 3as/h of the 5as/h); ``fused_swiglu=False`` counts eager SwiGLU (8sbf, not 6sbf);
+    ``mask_bytes`` the bytes of a mask value (1; the CPU's dropout keeps the input's dtype).
     See :func:`activation_terms_per_layer` for the tensors.
     """
     return sum(v for _, v in activation_terms_per_layer(
         seq_len, micro_batch, hidden, heads, tp=tp, sequence_parallel=sequence_parallel, recompute=recompute,
         kv_heads=kv_heads, ffn_hidden=ffn_hidden, mlp=mlp, bytes_per_value=bytes_per_value,
-        fused_attention=fused_attention, dropout=dropout, fused_swiglu=fused_swiglu))
+        fused_attention=fused_attention, dropout=dropout, fused_swiglu=fused_swiglu, mask_bytes=mask_bytes))

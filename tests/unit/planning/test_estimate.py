@@ -139,6 +139,11 @@ def test_activation_generalisations():
     masks = sum(v for k, v in activation_terms_per_layer(s, b, h, a) if k.endswith("mask"))
     fp32 = activation_bytes_per_layer(s, b, h, a, bytes_per_value=4)
     assert fp32 == 2 * base - masks  # 2-byte values double, 1-byte masks do not
+    # the CPU's dropout keeps its mask in the input's dtype: mask_bytes scales the three masks only
+    cpu = activation_bytes_per_layer(s, b, h, a, bytes_per_value=4, mask_bytes=4)
+    assert cpu == fp32 + 3 * masks
+    assert activation_bytes_per_layer(s, b, h, a, recompute="selective", mask_bytes=2) == \
+        activation_bytes_per_layer(s, b, h, a, recompute="selective") + 2 * s * b * h  # the two residual masks
     # without dropout: no masks, no separate post-dropout probabilities: sbh(32 + 2as/h)
     assert activation_bytes_per_layer(s, b, h, a, dropout=False) == s * b * h * (32 + 2 * a * s / h)
     assert activation_bytes_per_layer(s, b, h, a, dropout=False, fused_attention=True) == s * b * h * 32
