@@ -6,10 +6,14 @@
   parameter of every rank equal. The recompute really ran: on the second step ``full`` calls each block twice
   per micro-batch (forward, then the recompute in backward), ``selective`` the attention core twice and the
   block once; and dropout 0.1 really drew masks (other losses than dropout 0);
+* a transformers Llama at tp2 x dp2 (no pipeline): ``full`` checkpoints each decoder layer's forward (its
+  attention runs twice per micro-batch on the second step) and gives the gradients of no recompute, bitwise;
 * with dropout 0 (the parity recipes), ``full`` at tp2 x dp2 (every 2), ``selective`` at tp2 x pp2 and ``full``
   at ZeRO-3 dp4 (DeepSpeed's partitioned parameters, the native back end's FSDP2) train one process's losses
   (rtol 1e-4).
 """
+import importlib.util
+
 import pytest
 import torch
 
@@ -64,19 +68,36 @@ def _count_calls(model, counts: dict) -> None:
             m.attn._core = counted
 
 
-def _train(recipe, backend):
+def _count_hf_attention(model, counts: dict) -> None:
+    """``counts["block"]``: decoder-layer attention forwards begun (inside the checkpointed layer forward)."""
+    from plugin.engines.recompute import hf_decoder_layers
+
+    def hook(*_):
+        counts["block"] += 1
+
+    for layer in hf_decoder_layers(model):
+        layer.self_attn.register_forward_pre_hook(hook)
+
+
+def _train(recipe, backend, hf=False):
     import plugin
     from plugin.data.text import TextBatches
     from plugin.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    engine = plugin.initialize(GPT(GPTConfig.from_recipe_model(recipe.model)), recipe, backend=backend)
+    if hf:
+        from plugin.models.hf import build_hf_model
+
+        model = build_hf_model("llama", recipe.model)
+    else:
+        model = GPT(GPTConfig.from_recipe_model(recipe.model))
+    engine = plugin.initialize(model, recipe, backend=backend)
     counts = {"block": 0, "core": 0}
     data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
     losses = []
     for step in range(STEPS):
         if step == STEPS - 1:  # the last step only: a native pipeline's first step runs one more forward
-            _count_calls(engine.whole_model, counts)
+            (_count_hf_attention if hf else _count_calls)(engine.whole_model, counts)
         losses.append(engine.train_step(data.global_batch(step, engine.layout.global_batch)))
     return losses, _local_params(engine), counts
 
@@ -118,6 +139,10 @@ def _run_all(rank, world_size, backend):
                 recipe = _recipe(layout, model={**MODEL, "dropout": dropout}, optimizer=SGD,
                                  activation_checkpointing=ac)
                 out[(layout, dropout, mode)] = _train(recipe, backend)
+    if importlib.util.find_spec("transformers") is not None:
+        for mode in ("none", "full1"):
+            recipe = _recipe("cpu_tp2_dp2", model=MODEL, optimizer=SGD, activation_checkpointing=MODES[mode])
+            out[("hf_llama", mode)] = _train(recipe, backend, hf=True)
     for name, (base, ac) in PARITY.items():
         recipe = _recipe(base, activation_checkpointing=ac)
         out[name] = (_train(recipe, backend)[0], _reference(recipe))
@@ -164,3 +189,16 @@ def test_recompute_trains_one_process_losses(results, name):
     for rank, out in enumerate(outs):
         losses, want = out[name]
         assert losses == pytest.approx(want, rel=1e-4), f"{backend} {name} rank {rank}"
+
+
+def test_transformers_decoder_layers_recompute_with_the_gradients_of_no_recompute(results):
+    backend, outs = results
+    need("transformers")
+    for rank, out in enumerate(outs):
+        (losses, params, counts), (got_losses, got_params, got_counts) = out[("hf_llama", "none")], \
+            out[("hf_llama", "full1")]
+        where = f"{backend} llama tp2 x dp2 rank {rank}"
+        assert got_losses == losses, f"{where}: {got_losses} != {losses}"
+        different = [n for n in params if not torch.equal(got_params[n], params[n])]
+        assert got_params.keys() == params.keys() and not different, f"{where}: {different}"
+        assert counts["block"] > 0 and got_counts["block"] == 2 * counts["block"], (where, counts, got_counts)
