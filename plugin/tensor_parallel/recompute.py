@@ -7,7 +7,9 @@ the forward did, and the gradients would belong to another forward. :func:`check
 checkpoint with a context that starts the recompute where the forward started those streams and afterwards
 puts them back where they were, so the next forward draws on as if nothing had been recomputed.
 
-Both back ends use it: the native pipeline's stage modules (:mod:`plugin.engines.native.pipeline`) and, as its
+Every recompute of the recipe's ``activation_checkpointing`` goes through it, on both back ends: the span loop
+of :func:`plugin.engines.recompute.run_layers` (a native pipeline stage, a whole model at pipeline 1), each
+transformers decoder layer outside pipelines, the reference GPT's attention core under ``"selective"``, and, as its
 ``activation_checkpoint_func`` (:func:`checkpoint_func`), DeepSpeed's ``PipelineModule``, whose own checkpoint
 replays only torch's and DeepSpeed's generators.
 """
