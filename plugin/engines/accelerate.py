@@ -19,6 +19,13 @@ The Accelerator is fed from the recipe, not from the launch flags:
   ``FullyShardedDataParallelPlugin(fsdp_version=2)``, ``reshard_after_forward`` for ZeRO-3, CPU offload from
   the recipe, each transformer layer class wrapped.
 
+A model built on the meta device: under the DeepSpeed plugin at ZeRO-3 each unit is made whole, partitioned over
+the data group at once (:class:`plugin.materialize.sinks.Zero3Sink`, DeepSpeed's ``zero.Init(module=)``, as the
+DeepSpeed engine does) once the Accelerator has made the process group, so no rank holds more than one unit whole;
+in every other mode (DDP, ZeRO-1/2, FSDP2) it is materialised whole on every rank, one unit at a time, before
+``prepare`` (Accelerate shards a whole model there): those modes need the whole model's bytes on each rank. Before
+materialising, every rank's seed is checked to be the same (:mod:`plugin.materialize.same_seed`).
+
 Rank 0 prints which of these carries the recipe, and why. After the Accelerator exists, its distributed type
 and process count are asserted against the launch (Accelerate's silent traps exit 0 with unsynchronised
 copies). Checkpoints are the checkpoint room's format (:mod:`plugin.checkpoint`), through the native adapter's
@@ -35,13 +42,14 @@ import torch
 from ..distributed.groups import build_groups
 from ..errors import PluginError
 from ..interop.precision import PRECISIONS
+from ..materialize.sinks import Zero3Sink
 from .base import Engine
 from .choose import accelerate_mode, importable
 from .context import BuildContext
 from .deepspeed.config import engine_config
 from .native.fsdp import fsdp_units
 from .optim import build_optimizer
-from .precision import loss_scaler_kwargs
+from .precision import compute_dtype, loss_scaler_kwargs
 
 
 class AccelerateEngine(Engine):
@@ -190,7 +198,7 @@ def _plugins(mode: str, recipe, world_size: int, cuda: bool, model, layers_of: C
         from accelerate.utils import FullyShardedDataParallelPlugin
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        layer_classes = sorted({type(m).__name__ for m in fsdp_units(model, layers_of)})
+        layer_classes = fsdp_layer_classes(model, layers_of)
         z = recipe.zero
         offload = "cpu" in (z.offload_param, z.offload_optimizer)
         kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
@@ -201,6 +209,13 @@ def _plugins(mode: str, recipe, world_size: int, cuda: bool, model, layers_of: C
     else:
         kwargs["cpu"] = not cuda
     return kwargs
+
+
+def fsdp_layer_classes(model, layers_of: Callable) -> list[str]:
+    """The class names Accelerate's FSDP2 plugin wraps one by one (``transformer_cls_names_to_wrap``): the classes
+    of the native back end's units (:func:`plugin.engines.native.fsdp.fsdp_units`), so a transformers model's
+    ``_no_split_modules`` that it holds, the reference GPT's ``Block``."""
+    return sorted({type(m).__name__ for m in fsdp_units(model, layers_of)})
 
 
 def _check_accelerator(acc, mode: str, world_size: int) -> None:
@@ -229,13 +244,18 @@ def build(ctx: BuildContext) -> AccelerateEngine:
         raise PluginError(f"Accelerate cannot carry this recipe: {why} -> {fix}let initialize choose the back end")
     if env.is_main:
         print(f"{recipe.source or recipe.name}: note: accelerate launch: {why}", file=sys.stderr, flush=True)
-    if ctx.on_meta:  # whole, one unit at a time, before the plugins exist (Accelerate shards it in prepare)
-        ctx.materialize()
+    plugins = _plugins(mode, recipe, env.world_size, cuda, model, ctx.layers_of)
     acc = Accelerator(mixed_precision=PRECISIONS[recipe.precision].accelerate,
-                      gradient_accumulation_steps=layout.grad_accum,
-                      **_plugins(mode, recipe, env.world_size, cuda, model, ctx.layers_of))
+                      gradient_accumulation_steps=layout.grad_accum, **plugins)
     _check_accelerator(acc, mode, env.world_size)
     groups = build_groups(ctx.topology)
+    if ctx.on_meta and mode == "deepspeed" and recipe.zero.stage == 3:
+        # as on the DeepSpeed engine: each unit partitioned over the world as it is made (zero.Init(module=)),
+        # one unit whole at a time; prepare's deepspeed.initialize then finds the parameters partitioned
+        config = plugins["deepspeed_plugin"].deepspeed_config
+        ctx.materialize(sink=Zero3Sink(model, config, groups.data_group, None, compute_dtype(recipe), ctx.device))
+    elif ctx.on_meta:  # whole, one unit at a time (Accelerate's DDP, ZeRO-1/2 and FSDP2 shard a whole model)
+        ctx.materialize()
     loss_fn = ctx.loss_for(groups.tensor_group)
     optimizer = build_optimizer(model.parameters(), recipe.optimizer)
     prepared, optimizer = acc.prepare(model, optimizer)

@@ -50,9 +50,13 @@ class BuildContext:
 
     def materialize(self, sink=None, held=None) -> None:
         """Fill this rank's meta tensors of :attr:`model` (``held``: ids of them; None: all) through ``sink``,
-        the tensor-parallel cuts re-run on the whole values; then nothing it holds is left on meta."""
+        the tensor-parallel cuts re-run on the whole values; then nothing it holds is left on meta. First every
+        rank checks that all ranks have the same :attr:`seed` (one all-gather; a :class:`PluginError` on every rank
+        when they differ, :func:`plugin.materialize.same_seed.check_same_seed`): the process group must exist."""
         from ..materialize import materialize
+        from ..materialize.same_seed import check_same_seed
 
+        check_same_seed(self.seed, self.device)
         materialize(self.model, list(self.units), self.seed, self.device, sink=sink, held=held,
                     cuts=getattr(self.apply_tp, "cuts", None))
 

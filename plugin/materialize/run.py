@@ -61,9 +61,8 @@ def materialize(model: nn.Module, units: list[Unit], seed: int, device: torch.de
         piece = cuts[unit.name](dense) if unit.name in cuts else dense
         live = _live(model, unit.name)
         put = []
-        for kind, key in keys:
-            value = _table(piece, kind)[key]
-            put.append(sink.put(live, kind, key, value.detach()))
+        for kind, key in keys:  # no name left holding a whole tensor: the next unit's twin must find it freed
+            put.append(sink.put(live, kind, key, _table(piece, kind)[key].detach()))
         sink.finish_unit(live, [p for p in put if p is not None])
         del dense, piece
     sink.close()

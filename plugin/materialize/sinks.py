@@ -37,7 +37,7 @@ class PlainSink:
 
     def put(self, live: nn.Module, kind: str, key: str, value: torch.Tensor):
         old = (live._parameters if kind == "param" else live._buffers)[key]
-        value = self._value(value).clone()  # its own storage: a cut may return a view of the whole tensor
+        value = _own_storage(self._value(value))
         if kind == "param":
             new = nn.Parameter(value, requires_grad=old.requires_grad)
             new.__dict__.update(old.__dict__)  # the marks the plan and the pipeline set on the meta parameter
@@ -52,6 +52,16 @@ class PlainSink:
 
     def close(self) -> None:
         pass
+
+
+def _own_storage(value: torch.Tensor) -> torch.Tensor:
+    """``value`` itself when it is the whole of its storage (the unit's fresh dense tensor: the twin is dropped
+    after the unit, so nothing else keeps it), else a copy: a cut may return a view of the whole tensor, which
+    would keep the whole storage alive. Copying every time made the largest unit twice over (an embedding's
+    vocab x hidden, the peak of the whole materialisation) for nothing."""
+    if value.untyped_storage().nbytes() == value.numel() * value.element_size() and value.storage_offset() == 0:
+        return value
+    return value.clone()
 
 
 class FSDP2Sink:

@@ -18,12 +18,19 @@ from ..precision import compute_dtype
 
 
 def fsdp_units(model: torch.nn.Module, layers_of: Callable) -> list[torch.nn.Module]:
-    """The layers FSDP2 shards one by one: entries of ``layers_of(model)`` that are submodules of ``model``
-    and share no parameter with another layer (tied weights stay with the root)."""
-    try:
-        layers = layers_of(model)
-    except PluginError:  # the model gives no layer list: the root alone is the unit
-        return []
+    """The blocks FSDP2 shards one by one (the root is the last unit, holding what no block holds), so the
+    gathered working set is one block: a transformers model's modules of its ``_no_split_modules`` classes (its
+    decoder layers: the unit classes transformers and Accelerate name), else the entries of ``layers_of(model)``
+    that are submodules of ``model`` (the reference GPT's blocks; its embedding and head wrappers are not, and
+    stay with the root). A block sharing a parameter with another one (tied weights) stays with the root."""
+    names = set(no_split_classes(model))
+    if names:
+        layers = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    else:
+        try:
+            layers = layers_of(model)
+        except PluginError:  # the model gives no layer list: the root alone is the unit
+            return []
     own = {id(m) for m in model.modules() if m is not model}
     counts: dict[int, int] = {}
     for layer in layers:
@@ -31,6 +38,12 @@ def fsdp_units(model: torch.nn.Module, layers_of: Callable) -> list[torch.nn.Mod
             counts[id(p)] = counts.get(id(p), 0) + 1
     return [layer for layer in layers if id(layer) in own and next(layer.parameters(), None) is not None
             and all(counts[id(p)] == 1 for p in layer.parameters())]
+
+
+def no_split_classes(model: torch.nn.Module) -> list[str]:
+    """A transformers model's ``_no_split_modules`` (the class names of its blocks), or [] for any other model."""
+    names = getattr(model, "_no_split_modules", None)
+    return sorted({str(n) for n in names}) if isinstance(names, (list, tuple, set)) else []
 
 
 def shard_fsdp2(model, recipe, groups, device, layers_of: Callable):
