@@ -12,9 +12,10 @@
 """
 from __future__ import annotations
 
+import io
 import math
 import pickle
-import zlib
+from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -35,9 +36,11 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.futures import Future
 
 from ..errors import PluginError
 from .boxes import Entry, box
+from .digest import digest
 
 
 class CheckpointError(PluginError):
@@ -46,12 +49,6 @@ class CheckpointError(PluginError):
 
 def piece_key(name: str, offsets) -> str:
     return f"{name}@{','.join(str(o) for o in offsets)}"
-
-
-def crc_of(view: torch.Tensor) -> int:
-    """crc32 of a piece's bytes (row-major, as DCP writes it)."""
-    t = view.detach().contiguous().cpu()
-    return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy().tobytes()) if t.numel() else 0
 
 
 class PieceSavePlanner(DefaultSavePlanner):
@@ -159,19 +156,86 @@ def read_metadata_file(path) -> object:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader with the restricted ``.metadata`` unpickler; reads that fail name the file."""
+    """DCP's file reader with the restricted ``.metadata`` unpickler, and, given the manifest's ``files`` records
+    (:mod:`.digest`), every item's bytes hashed as they are read and compared before ``torch.load`` sees them;
+    reads that fail name the file."""
+
+    def __init__(self, path, files: dict | None = None):
+        super().__init__(path)
+        self._files = files or {}
 
     def read_metadata(self, *args, **kwargs):
-        metadata = read_metadata_file(self._get_metadata_path(kwargs.get("rank")))
+        path = self._get_metadata_path(kwargs.get("rank"))
+        check_whole_file(Path(path), self._files.get(Path(path).name))
+        metadata = read_metadata_file(path)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def read_data(self, plan, planner):
-        try:
-            return super().read_data(plan, planner)
-        except Exception as e:  # noqa: BLE001 - re-raised with the files this rank read
-            files = sorted({self.storage_data[r.storage_index].relative_path for r in plan.items})
-            raise CheckpointError(f"{self.path}: reading {', '.join(files)} failed: {type(e).__name__}: {e} -> the "
-                                  "file is truncated or corrupted; resume from an earlier step directory") from e
+        per_item: dict = {}
+        for req in plan.items:
+            per_item.setdefault(req.storage_index, []).append(req)
+        by_file: dict[str, list] = {}
+        for index, reqs in per_item.items():
+            by_file.setdefault(self.storage_data[index].relative_path, []).append((index, reqs))
+        for relative_path, items in sorted(by_file.items()):
+            path = Path(self.path) / relative_path
+            digests = item_digests(path, self._files.get(relative_path))
+            try:
+                with open(path, "rb") as f:
+                    for index, reqs in sorted(items, key=lambda it: self.storage_data[it[0]].offset):
+                        info = self.storage_data[index]
+                        if info.transform_descriptors:
+                            raise CheckpointError(f"{path}: {index.fqn} is stored with DCP extensions "
+                                                  f"{info.transform_descriptors}, which the plugin never writes")
+                        f.seek(info.offset)
+                        data = f.read(info.length)
+                        check_item(path, index.fqn, info.offset, data, digests)
+                        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                        for req in reqs:
+                            target = planner.resolve_tensor(req).detach()
+                            target.copy_(box(tensor, req.storage_offsets, req.lengths))
+                            planner.commit_tensor(req, target)
+                        del data, tensor
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - re-raised naming the file
+                raise CheckpointError(f"{path}: reading failed: {type(e).__name__}: {e} -> the file is truncated or "
+                                      "corrupted; resume from an earlier step directory") from e
+        fut = Future()
+        fut.set_result(None)
+        return fut
+
+
+def item_digests(path: Path, record: dict | None):
+    """``(algorithm, {offset: (length, digest)})`` of a file's manifest record, or None when it has none."""
+    if not record or "items" not in record:
+        return None
+    return record["checksum"], {off: (n, d) for off, n, d in record["items"]}
+
+
+def check_item(path: Path, fqn: str, offset: int, data: bytes, digests) -> None:
+    """The bytes of the item at ``offset`` against the digest written with them (``digests``: :func:`item_digests`)."""
+    if digests is None:
+        return
+    algorithm, table = digests
+    want = table.get(offset)
+    if want is None or want[0] != len(data):
+        raise CheckpointError(f"{path}: {fqn} at byte {offset} ({len(data)} bytes) is not an item the manifest "
+                              "recorded (damaged metadata) -> resume from an earlier step directory")
+    got = digest(algorithm, data)
+    if got != want[1]:
+        raise CheckpointError(f"{path}: {fqn} at byte {offset}: {algorithm} {got}, the manifest recorded {want[1]} "
+                              "(corrupted) -> resume from an earlier step directory")
+
+
+def check_whole_file(path: Path, record: dict | None) -> None:
+    """A small file recorded as one item (``.metadata``), read whole and checked before anything unpickles it."""
+    digests = item_digests(path, record)
+    if digests is None:
+        return
+    data = path.read_bytes()
+    for off, (n, _) in digests[1].items():
+        check_item(path, path.name, off, data[off: off + n], digests)
