@@ -21,6 +21,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from ..errors import PluginError
+
 try:
     import xxhash
 except ImportError:  # pragma: no cover - the data extra brings it (datasets requires it)
@@ -39,17 +41,13 @@ class Hasher:
     def __init__(self, algorithm: str):
         if algorithm == "xxh3_64":
             if xxhash is None:
-                from .dcp_io import CheckpointError
-
-                raise CheckpointError("the checkpoint's checksums are XXH3-64 and the xxhash package is missing -> "
+                raise PluginError("the checkpoint's checksums are XXH3-64 and the xxhash package is missing -> "
                                       "pip install xxhash")
             self._h = xxhash.xxh3_64()
         elif algorithm == "crc32":
             self._h, self._crc = None, 0
         else:
-            from .dcp_io import CheckpointError
-
-            raise CheckpointError(f"unknown checksum {algorithm!r} in the manifest -> written by another plugin "
+            raise PluginError(f"unknown checksum {algorithm!r} in the manifest -> written by another plugin "
                                   "version")
 
     def update(self, data) -> None:
