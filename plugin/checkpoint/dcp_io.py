@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -41,6 +42,9 @@ from torch.futures import Future
 from ..errors import PluginError
 from .boxes import Entry, box
 from .digest import digest
+from .items import item_tensor
+
+ROW_MAJOR = "torch.save of row-major tensors"  # the manifest's item_format: :mod:`.items` may view the bytes
 
 
 class CheckpointError(PluginError):
@@ -75,7 +79,8 @@ class PieceSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item):
-        return self._views[(write_item.index.fqn, tuple(write_item.index.offset))].detach()
+        """Row-major bytes always (a transposed piece is copied), so a load can view them (:mod:`.items`)."""
+        return self._views[(write_item.index.fqn, tuple(write_item.index.offset))].detach().contiguous()
 
 
 class PieceLoadPlanner(LoadPlanner):
@@ -160,9 +165,10 @@ class SafeReader(FileSystemReader):
     (:mod:`.digest`), every item's bytes hashed as they are read and compared before ``torch.load`` sees them;
     reads that fail name the file."""
 
-    def __init__(self, path, files: dict | None = None):
+    def __init__(self, path, files: dict | None = None, row_major: bool = False):
         super().__init__(path)
-        self._files = files or {}
+        self._files, self._row_major = files or {}, row_major
+        self._chunks: dict = {}
 
     def read_metadata(self, *args, **kwargs):
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -173,6 +179,10 @@ class SafeReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._chunks = chunk_table(metadata)
+
     def read_data(self, plan, planner):
         per_item: dict = {}
         for req in plan.items:
@@ -180,33 +190,75 @@ class SafeReader(FileSystemReader):
         by_file: dict[str, list] = {}
         for index, reqs in per_item.items():
             by_file.setdefault(self.storage_data[index].relative_path, []).append((index, reqs))
+        reader = ItemReader(self._files, self._row_major)
         for relative_path, items in sorted(by_file.items()):
             path = Path(self.path) / relative_path
-            digests = item_digests(path, self._files.get(relative_path))
-            try:
-                with open(path, "rb") as f:
-                    for index, reqs in sorted(items, key=lambda it: self.storage_data[it[0]].offset):
-                        info = self.storage_data[index]
-                        if info.transform_descriptors:
-                            raise CheckpointError(f"{path}: {index.fqn} is stored with DCP extensions "
-                                                  f"{info.transform_descriptors}, which the plugin never writes")
-                        f.seek(info.offset)
-                        data = f.read(info.length)
-                        check_item(path, index.fqn, info.offset, data, digests)
-                        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-                        for req in reqs:
-                            target = planner.resolve_tensor(req).detach()
-                            target.copy_(box(tensor, req.storage_offsets, req.lengths))
-                            planner.commit_tensor(req, target)
-                        del data, tensor
-            except CheckpointError:
-                raise
-            except Exception as e:  # noqa: BLE001 - re-raised naming the file
-                raise CheckpointError(f"{path}: reading failed: {type(e).__name__}: {e} -> the file is truncated or "
-                                      "corrupted; resume from an earlier step directory") from e
+            with reader.open(path, relative_path) as f:
+                for index, reqs in sorted(items, key=lambda it: self.storage_data[it[0]].offset):
+                    tensor = f.read(index, self.storage_data[index], self._chunks[index])
+                    for req in reqs:
+                        target = planner.resolve_tensor(req).detach()
+                        target.copy_(box(tensor, req.storage_offsets, req.lengths))
+                        planner.commit_tensor(req, target)
+                    del tensor  # a view of the reader's buffer, which the next item overwrites
         fut = Future()
         fut.set_result(None)
         return fut
+
+
+def chunk_table(metadata) -> dict:
+    """``{MetadataIndex: (dtype, sizes)}`` of every saved chunk."""
+    out = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            for c in md.chunks:
+                out[MetadataIndex(fqn, c.offsets)] = (md.properties.dtype, tuple(c.sizes))
+    return out
+
+
+class ItemReader:
+    """Reads items into one reused buffer, checks each against its checksum, and returns it as a tensor: a view
+    of the buffer (:func:`.items.item_tensor`) when the checkpoint's items are row-major, else ``torch.load``
+    (``weights_only=True``). The tensor is valid until the next read."""
+
+    def __init__(self, files: dict, row_major: bool):
+        self._files, self._row_major = files, row_major
+        self._buf = bytearray()
+
+    @contextmanager
+    def open(self, path: Path, relative_path: str):
+        digests = item_digests(path, self._files.get(relative_path))
+        try:
+            with open(path, "rb") as f:
+                yield _OpenItems(self, f, path, digests)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised naming the file
+            raise CheckpointError(f"{path}: reading failed: {type(e).__name__}: {e} -> the file is truncated or "
+                                  "corrupted; resume from an earlier step directory") from e
+
+
+class _OpenItems:
+    def __init__(self, reader: ItemReader, f, path: Path, digests):
+        self._r, self._f, self._path, self._digests = reader, f, path, digests
+
+    def read(self, index, info, chunk) -> torch.Tensor:
+        if info.transform_descriptors:
+            raise CheckpointError(f"{self._path}: {index.fqn} is stored with DCP extensions "
+                                  f"{info.transform_descriptors}, which the plugin never writes")
+        r = self._r
+        if len(r._buf) < info.length:
+            r._buf = bytearray(info.length)
+        view = memoryview(r._buf)[: info.length]
+        self._f.seek(info.offset)
+        if self._f.readinto(view) != info.length:
+            raise CheckpointError(f"{self._path}: {index.fqn} at byte {info.offset}: the file ends before its "
+                                  f"{info.length} bytes (truncated) -> resume from an earlier step directory")
+        check_item(self._path, index.fqn, info.offset, view, self._digests)
+        tensor = item_tensor(view, *chunk) if r._row_major else None
+        if tensor is None:
+            tensor = torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
+        return tensor
 
 
 def item_digests(path: Path, record: dict | None):

@@ -16,7 +16,6 @@ loads the export; the reference GPT's recipe ``model`` block goes to ``recipe_mo
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import os
@@ -30,7 +29,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ..errors import PluginError
 from .boxes import box
-from .dcp_io import check_item, check_whole_file, item_digests, read_metadata_file
+from .dcp_io import ROW_MAJOR, ItemReader, check_whole_file, chunk_table, read_metadata_file
 from .store import open_checkpoint
 
 MAX_FILE = 5_000_000_000
@@ -39,21 +38,15 @@ _ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _assemble(step_dir: Path, md, name: str, dtype: torch.dtype, files: dict) -> torch.Tensor:
+def _assemble(reader: ItemReader, step_dir: Path, md, chunks, name: str, dtype: torch.dtype) -> torch.Tensor:
     """One whole tensor from its saved chunks, each chunk's bytes checked against the checksum written with them."""
     meta = md.state_dict_metadata[name]
     out = torch.empty(tuple(meta.size), dtype=dtype)
     for chunk in meta.chunks:
-        info = md.storage_data[MetadataIndex(name, chunk.offsets)]
-        path = step_dir / info.relative_path
-        with open(path, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
-        check_item(path, name, info.offset, data, item_digests(path, files.get(info.relative_path)))
-        piece = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        del data
-        box(out, chunk.offsets, chunk.sizes).copy_(piece)
-        del piece
+        index = MetadataIndex(name, chunk.offsets)
+        info = md.storage_data[index]
+        with reader.open(step_dir / info.relative_path, info.relative_path) as f:
+            box(out, chunk.offsets, chunk.sizes).copy_(f.read(index, info, chunks[index]))
     return out
 
 
@@ -90,6 +83,7 @@ def export(directory: str, out: str, dtype: str | None = None, max_shard_size: i
     step_dir, manifest = open_checkpoint(directory)  # then every chunk read is checked: a flipped bit is named
     check_whole_file(step_dir / ".metadata", manifest["files"].get(".metadata"))
     md = read_metadata_file(step_dir / ".metadata")
+    chunks, reader = chunk_table(md), ItemReader(manifest["files"], manifest.get("item_format") == ROW_MAJOR)
     names = [n for n, t in manifest["tensors"].items() if t["role"] == "param"]
     aliases = {a: src for a, src in (manifest.get("model") or {}).get("tied", {}).items() if src in names}
     stored = {n: getattr(torch, manifest["tensors"][n]["dtype"]) for n in names}
@@ -126,7 +120,7 @@ def export(directory: str, out: str, dtype: str | None = None, max_shard_size: i
             f.write(len(text).to_bytes(8, "little"))
             f.write(text.encode())
             for n in group:
-                t = _assemble(step_dir, md, aliases.get(n, n), target[aliases.get(n, n)], manifest["files"])
+                t = _assemble(reader, step_dir, md, chunks, aliases.get(n, n), target[aliases.get(n, n)])
                 f.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
                 del t
             f.flush()

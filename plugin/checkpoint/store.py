@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from .boxes import LocalState
-from .dcp_io import CheckpointError, PieceLoadPlanner, PieceSavePlanner, SafeReader
+from .dcp_io import ROW_MAJOR, CheckpointError, PieceLoadPlanner, PieceSavePlanner, SafeReader
 from .digest import SummingFileSystem, default_algorithm, file_record
 from .directory import LATEST, MANIFEST, drop_later_steps, fsync_dir, prune, resolve, step_name, write_atomic
 from .manifest import FORMAT, VERSION, check_files, read_manifest
@@ -83,7 +83,8 @@ def save(state: LocalState, directory: str | Path, step: int, info: dict, *, kee
             if rec["role"] == "optim":
                 rec["param"], rec["key"] = name[len("optim."):].rsplit(".", 1)
             tensors[name] = rec
-        manifest = {"format": FORMAT, "version": VERSION, "complete": True, "step": step, **info,
+        manifest = {"format": FORMAT, "version": VERSION, "complete": True, "step": step, "item_format": ROW_MAJOR,
+                    **info,
                     "scalars": state.scalars, "tensors": tensors, "files": files,
                     "save_seconds": round(time.perf_counter() - t0, 3)}
         write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
@@ -115,8 +116,9 @@ def open_checkpoint(directory: str | Path) -> tuple[Path, dict]:
 
 def load(state: LocalState, step_dir: Path, manifest: dict) -> None:
     """Fill ``state``'s pieces from ``step_dir`` (resharding on read), then run its ``after_load`` callables."""
+    reader = SafeReader(step_dir, manifest["files"], manifest.get("item_format") == ROW_MAJOR)
     try:
-        dcp.load(state.entries, storage_reader=SafeReader(step_dir, manifest["files"]), planner=PieceLoadPlanner())
+        dcp.load(state.entries, storage_reader=reader, planner=PieceLoadPlanner())
     except CheckpointException as e:  # a BaseException; its failures carry our CheckpointError messages
         failures = getattr(e, "failures", {}) or {}
         first = next(iter(failures.values()), e)

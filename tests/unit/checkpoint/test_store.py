@@ -214,3 +214,21 @@ def test_a_transposed_conv1d_shard_lands_in_the_source_layout(tp, parts, dim):
         for p in compose(whole_held(local), tp_segments(local.shape, source.shape, lay, r, tp)):
             box(out, p.offsets, p.view.shape).copy_(p.view)
     assert torch.equal(out, source)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_an_items_bytes_are_viewed_without_unpickling(dtype):
+    """What the load and the export take (:mod:`plugin.checkpoint.items`): the torch.save zip's data record, viewed;
+    None (the torch.load fallback) for what is not a row-major chunk of that size."""
+    import io
+
+    from plugin.checkpoint.items import item_tensor
+
+    t = (torch.arange(3 * 5 * 7) * 3).to(dtype).view(3, 5, 7)
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    raw = memoryview(bytearray(buf.getvalue()))
+    got = item_tensor(raw, dtype, (3, 5, 7))
+    assert got is not None and torch.equal(got, t)
+    assert item_tensor(raw, dtype, (3, 5, 6)) is None  # a size that does not match
+    assert item_tensor(raw[:-30], dtype, (3, 5, 7)) is None  # a damaged tail
