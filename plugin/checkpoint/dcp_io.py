@@ -55,6 +55,18 @@ def piece_key(name: str, offsets) -> str:
     return f"{name}@{','.join(str(o) for o in offsets)}"
 
 
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (row-major) as a tensor whose storage is exactly its own bytes, sharing its memory. DCP's writer clones
+    any CPU tensor whose storage is larger (``torch.save`` would write the whole storage), and every piece of a
+    ZeRO flat partition or an FSDP2 shard row range is a view of a larger one: that clone was a copy of every byte
+    of the checkpoint, in freshly allocated memory, before the write."""
+    t = t.detach().contiguous()
+    if t.device.type != "cpu" or t.dim() == 0 or t.numel() == 0 or t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    raw = t.view(-1).view(torch.uint8).numpy()  # a view: no copy
+    return torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape)
+
+
 class PieceSavePlanner(DefaultSavePlanner):
     """``state_dict``: ``{name: Entry}``; every piece is one shard of its global tensor."""
 
@@ -80,7 +92,7 @@ class PieceSavePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item):
         """Row-major bytes always (a transposed piece is copied), so a load can view them (:mod:`.items`)."""
-        return self._views[(write_item.index.fqn, tuple(write_item.index.offset))].detach().contiguous()
+        return own_storage(self._views[(write_item.index.fqn, tuple(write_item.index.offset))])
 
 
 class PieceLoadPlanner(LoadPlanner):

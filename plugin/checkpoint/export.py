@@ -121,7 +121,8 @@ def export(directory: str, out: str, dtype: str | None = None, max_shard_size: i
             f.write(text.encode())
             for n in group:
                 t = _assemble(reader, step_dir, md, chunks, aliases.get(n, n), target[aliases.get(n, n)])
-                f.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+                if t.numel():
+                    f.write(t.contiguous().view(-1).view(torch.uint8).numpy())  # its memory, not a copy
                 del t
             f.flush()
             os.fsync(f.fileno())
