@@ -16,10 +16,12 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 import plugin
+from plugin.checkpoint.directory import complete_steps
 from plugin.data.text import TextBatches
 from plugin.errors import PluginError, RecipeError
 from plugin.launch.launcher import check_train_script
@@ -40,7 +42,8 @@ def parse_args(argv=None):
                    "(DIR/step-00000050, DIR/latest)")
     p.add_argument("--save-every", type=int, metavar="N", help="also save every N steps (needs --save)")
     p.add_argument("--keep", type=int, metavar="K", help="keep the last K complete checkpoints under --save")
-    p.add_argument("--resume", metavar="DIR", help="resume from the last complete checkpoint under DIR")
+    p.add_argument("--resume", metavar="DIR", help="resume from the last complete checkpoint under DIR (a save "
+                   "of step s then removes the checkpoints of steps above s under --save: an abandoned timeline)")
     p.add_argument("--model", default="gpt",
                    help="gpt: the reference GPT; llama, qwen2, mistral, gpt2: transformers models sized by the "
                    "recipe's model block; or a config.json path (random weights; must agree with the recipe)")
@@ -104,6 +107,13 @@ def main(argv=None):
     if (args.save_every is not None and args.save_every < 1) or (args.keep is not None and args.keep < 1):
         print("--save-every and --keep take a number of at least 1", file=sys.stderr)
         return 2
+    if args.save and not args.resume:  # a fresh run's first save would drop a higher step of the run already there
+        held = complete_steps(Path(args.save))
+        if held:
+            print(f"--save {args.save}: holds the complete checkpoints of another run (steps "
+                  f"{', '.join(str(s) for s, _ in held)}); a fresh run's saves would replace them -> --resume "
+                  f"{args.save} to continue that run, or give another --save directory", file=sys.stderr)
+            return 2
     try:
         recipe = plugin.load_recipe(args.recipe)
     except RecipeError as e:

@@ -39,6 +39,21 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
+def hf_configs(model: torch.nn.Module) -> dict:
+    """A transformers model's ``config.json`` and ``generation_config.json`` as JSON (what ``save_pretrained``
+    writes), for the export to write beside the weights; ``{}`` for any other model."""
+    import json
+
+    out = {}
+    for key, attr in (("hf_config", "config"), ("hf_generation_config", "generation_config")):
+        config = getattr(model, attr, None)
+        if callable(getattr(config, "to_json_string", None)) and callable(getattr(config, "to_dict", None)):
+            out[key] = json.loads(config.to_json_string(use_diff=attr == "generation_config"))
+    if "hf_config" in out and not out["hf_config"].get("architectures"):
+        out["hf_config"]["architectures"] = [type(model).__name__]  # as save_pretrained writes it
+    return out
+
+
 def recording_tp(apply_tp):
     """``apply_tp`` that also records ``{name: TensorLayout}`` of the parameters it sharded (returned dict)."""
     from .boxes import layout_of
@@ -171,7 +186,7 @@ def save(engine, directory: str, client_state: dict | None = None, *, keep: int 
             "recipe": {"name": recipe.name, "model": dataclasses.asdict(recipe.model) if recipe.model else None},
             "optimizer": {"name": recipe.optimizer.name},
             "model": {"class": f"{type(engine.whole_model).__module__}.{type(engine.whole_model).__qualname__}",
-                      "tied": tied_aliases(engine.whole_model)},
+                      "tied": tied_aliases(engine.whole_model), **hf_configs(engine.whole_model)},
             "rng": {"same_layout_key": same_layout_key(engine)}}
     return store_save(state, directory, engine.step_count, info, keep=keep)
 

@@ -12,9 +12,11 @@
 """
 from __future__ import annotations
 
+import io
 import math
 import pickle
-import zlib
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -35,9 +37,14 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.futures import Future
 
 from ..errors import PluginError
 from .boxes import Entry, box
+from .digest import digest
+from .items import item_tensor
+
+ROW_MAJOR = "torch.save of row-major tensors"  # the manifest's item_format: :mod:`.items` may view the bytes
 
 
 class CheckpointError(PluginError):
@@ -48,10 +55,16 @@ def piece_key(name: str, offsets) -> str:
     return f"{name}@{','.join(str(o) for o in offsets)}"
 
 
-def crc_of(view: torch.Tensor) -> int:
-    """crc32 of a piece's bytes (row-major, as DCP writes it)."""
-    t = view.detach().contiguous().cpu()
-    return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy().tobytes()) if t.numel() else 0
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (row-major) as a tensor whose storage is exactly its own bytes, sharing its memory. DCP's writer clones
+    any CPU tensor whose storage is larger (``torch.save`` would write the whole storage), and every piece of a
+    ZeRO flat partition or an FSDP2 shard row range is a view of a larger one: that clone was a copy of every byte
+    of the checkpoint, in freshly allocated memory, before the write."""
+    t = t.detach().contiguous()
+    if t.device.type != "cpu" or t.dim() == 0 or t.numel() == 0 or t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    raw = t.view(-1).view(torch.uint8).numpy()  # a view: no copy
+    return torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape)
 
 
 class PieceSavePlanner(DefaultSavePlanner):
@@ -78,7 +91,8 @@ class PieceSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item):
-        return self._views[(write_item.index.fqn, tuple(write_item.index.offset))].detach()
+        """Row-major bytes always (a transposed piece is copied), so a load can view them (:mod:`.items`)."""
+        return own_storage(self._views[(write_item.index.fqn, tuple(write_item.index.offset))])
 
 
 class PieceLoadPlanner(LoadPlanner):
@@ -159,19 +173,133 @@ def read_metadata_file(path) -> object:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader with the restricted ``.metadata`` unpickler; reads that fail name the file."""
+    """DCP's file reader with the restricted ``.metadata`` unpickler, and, given the manifest's ``files`` records
+    (:mod:`.digest`), every item's bytes hashed as they are read and compared before ``torch.load`` sees them;
+    reads that fail name the file."""
+
+    def __init__(self, path, files: dict | None = None, row_major: bool = False):
+        super().__init__(path)
+        self._files, self._row_major = files or {}, row_major
+        self._chunks: dict = {}
 
     def read_metadata(self, *args, **kwargs):
-        metadata = read_metadata_file(self._get_metadata_path(kwargs.get("rank")))
+        path = self._get_metadata_path(kwargs.get("rank"))
+        check_whole_file(Path(path), self._files.get(Path(path).name))
+        metadata = read_metadata_file(path)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._chunks = chunk_table(metadata)
+
     def read_data(self, plan, planner):
+        per_item: dict = {}
+        for req in plan.items:
+            per_item.setdefault(req.storage_index, []).append(req)
+        by_file: dict[str, list] = {}
+        for index, reqs in per_item.items():
+            by_file.setdefault(self.storage_data[index].relative_path, []).append((index, reqs))
+        reader = ItemReader(self._files, self._row_major)
+        for relative_path, items in sorted(by_file.items()):
+            path = Path(self.path) / relative_path
+            with reader.open(path, relative_path) as f:
+                for index, reqs in sorted(items, key=lambda it: self.storage_data[it[0]].offset):
+                    tensor = f.read(index, self.storage_data[index], self._chunks[index])
+                    for req in reqs:
+                        target = planner.resolve_tensor(req).detach()
+                        target.copy_(box(tensor, req.storage_offsets, req.lengths))
+                        planner.commit_tensor(req, target)
+                    del tensor  # a view of the reader's buffer, which the next item overwrites
+        fut = Future()
+        fut.set_result(None)
+        return fut
+
+
+def chunk_table(metadata) -> dict:
+    """``{MetadataIndex: (dtype, sizes)}`` of every saved chunk."""
+    out = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            for c in md.chunks:
+                out[MetadataIndex(fqn, c.offsets)] = (md.properties.dtype, tuple(c.sizes))
+    return out
+
+
+class ItemReader:
+    """Reads items into one reused buffer, checks each against its checksum, and returns it as a tensor: a view
+    of the buffer (:func:`.items.item_tensor`) when the checkpoint's items are row-major, else ``torch.load``
+    (``weights_only=True``). The tensor is valid until the next read."""
+
+    def __init__(self, files: dict, row_major: bool):
+        self._files, self._row_major = files, row_major
+        self._buf = bytearray()
+
+    @contextmanager
+    def open(self, path: Path, relative_path: str):
+        digests = item_digests(path, self._files.get(relative_path))
         try:
-            return super().read_data(plan, planner)
-        except Exception as e:  # noqa: BLE001 - re-raised with the files this rank read
-            files = sorted({self.storage_data[r.storage_index].relative_path for r in plan.items})
-            raise CheckpointError(f"{self.path}: reading {', '.join(files)} failed: {type(e).__name__}: {e} -> the "
-                                  "file is truncated or corrupted; resume from an earlier step directory") from e
+            with open(path, "rb") as f:
+                yield _OpenItems(self, f, path, digests)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised naming the file
+            raise CheckpointError(f"{path}: reading failed: {type(e).__name__}: {e} -> the file is truncated or "
+                                  "corrupted; resume from an earlier step directory") from e
+
+
+class _OpenItems:
+    def __init__(self, reader: ItemReader, f, path: Path, digests):
+        self._r, self._f, self._path, self._digests = reader, f, path, digests
+
+    def read(self, index, info, chunk) -> torch.Tensor:
+        if info.transform_descriptors:
+            raise CheckpointError(f"{self._path}: {index.fqn} is stored with DCP extensions "
+                                  f"{info.transform_descriptors}, which the plugin never writes")
+        r = self._r
+        if len(r._buf) < info.length:
+            r._buf = bytearray(info.length)
+        view = memoryview(r._buf)[: info.length]
+        self._f.seek(info.offset)
+        if self._f.readinto(view) != info.length:
+            raise CheckpointError(f"{self._path}: {index.fqn} at byte {info.offset}: the file ends before its "
+                                  f"{info.length} bytes (truncated) -> resume from an earlier step directory")
+        check_item(self._path, index.fqn, info.offset, view, self._digests)
+        tensor = item_tensor(view, *chunk) if r._row_major else None
+        if tensor is None:
+            tensor = torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
+        return tensor
+
+
+def item_digests(path: Path, record: dict | None):
+    """``(algorithm, {offset: (length, digest)})`` of a file's manifest record, or None when it has none."""
+    if not record or "items" not in record:
+        return None
+    return record["checksum"], {off: (n, d) for off, n, d in record["items"]}
+
+
+def check_item(path: Path, fqn: str, offset: int, data: bytes, digests) -> None:
+    """The bytes of the item at ``offset`` against the digest written with them (``digests``: :func:`item_digests`)."""
+    if digests is None:
+        return
+    algorithm, table = digests
+    want = table.get(offset)
+    if want is None or want[0] != len(data):
+        raise CheckpointError(f"{path}: {fqn} at byte {offset} ({len(data)} bytes) is not an item the manifest "
+                              "recorded (damaged metadata) -> resume from an earlier step directory")
+    got = digest(algorithm, data)
+    if got != want[1]:
+        raise CheckpointError(f"{path}: {fqn} at byte {offset}: {algorithm} {got}, the manifest recorded {want[1]} "
+                              "(corrupted) -> resume from an earlier step directory")
+
+
+def check_whole_file(path: Path, record: dict | None) -> None:
+    """A small file recorded as one item (``.metadata``), read whole and checked before anything unpickles it."""
+    digests = item_digests(path, record)
+    if digests is None:
+        return
+    data = path.read_bytes()
+    for off, (n, _) in digests[1].items():
+        check_item(path, path.name, off, data[off: off + n], digests)

@@ -83,6 +83,30 @@ def resolve(directory: str | Path) -> Path:
     raise PluginError(f"{root}: no complete checkpoint: {why} -> resume from a directory written by --save")
 
 
+def _remove(step_dir: Path) -> None:
+    """The manifest first, so a directory half deleted by a crash is simply incomplete."""
+    (step_dir / MANIFEST).unlink(missing_ok=True)
+    shutil.rmtree(step_dir, ignore_errors=True)
+
+
+def drop_later_steps(root: Path, step: int) -> list[str]:
+    """Before step ``step`` is committed: remove every checkpoint of a step ``>= step`` under ``root``.
+
+    A directory holds one timeline. A run that saves step ``s`` is at step ``s`` (it started there or resumed from
+    an earlier step), so a checkpoint of a higher step is from a timeline it abandoned (a run that went further,
+    then was resumed from an older step): left there, it would be what the next ``--resume`` takes (the highest
+    complete step) and what ``--keep`` counts as newest. Removed before the rename, a crash in between leaves the
+    step the run resumed from as the highest, never the abandoned one. Returns the names removed."""
+    gone = []
+    if root.is_dir():
+        for d in sorted(root.iterdir()):
+            m = _STEP.match(d.name)
+            if m and d.is_dir() and int(m.group(1)) >= step:
+                _remove(d)
+                gone.append(d.name)
+    return gone
+
+
 def prune(root: Path, keep: int | None, just_written: Path) -> None:
     """Delete every ``*.partial`` directory (saves are synchronous: none is in progress) and, with ``keep``, the
     oldest complete steps beyond the ``keep`` newest, never ``just_written``. The manifest goes first, so a
@@ -94,7 +118,5 @@ def prune(root: Path, keep: int | None, just_written: Path) -> None:
         return
     steps = [d for _, d in complete_steps(root)]
     for d in steps[: max(0, len(steps) - keep)]:
-        if d.resolve() == just_written.resolve():
-            continue
-        (d / MANIFEST).unlink(missing_ok=True)
-        shutil.rmtree(d, ignore_errors=True)
+        if d.resolve() != just_written.resolve():
+            _remove(d)

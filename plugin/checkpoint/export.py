@@ -5,27 +5,32 @@ the model size.
 safetensors has no incremental writer, so the files are written here in its format: an 8-byte little-endian header
 length, a JSON header ``{name: {dtype, shape, data_offsets}}`` (padded with spaces to 8 bytes), then the data in
 header order. The header is known before any data (names, dtypes and shapes are in DCP's metadata), so each tensor
-is assembled from its chunks (read with ``weights_only=True``), written, and freed. Files of at most 5 GB
-(``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` when split); ``OUT.partial`` is renamed to
-``OUT`` at the end. Tied aliases of the reference GPT are written too (``GPT.load_state_dict`` wants them).
+is assembled from its chunks (read with ``weights_only=True``), written, and freed. Files of at most
+``max_shard_size`` bytes (default 5 GB, ``--max-shard-size``; a tensor larger than the limit gets a file of its
+own): ``model-0000i-of-0000N.safetensors`` + Hugging Face's ``model.safetensors.index.json`` when split.
+``OUT.partial`` is renamed to ``OUT`` at the end. Tied aliases are written too (``GPT.load_state_dict`` wants them;
+``from_pretrained`` re-ties them). A transformers model's ``config.json`` (and ``generation_config.json``), recorded
+in the manifest at save time, are written beside the weights, so ``AutoModelForCausalLM.from_pretrained(OUT)``
+loads the export; the reference GPT's recipe ``model`` block goes to ``recipe_model.json``.
 """
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ..errors import PluginError
 from .boxes import box
-from .dcp_io import read_metadata_file
-from .store import open_checkpoint, verify_crcs
+from .dcp_io import ROW_MAJOR, ItemReader, check_whole_file, chunk_table, read_metadata_file
+from .store import open_checkpoint
 
 MAX_FILE = 5_000_000_000
 _ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64", torch.int64: "I64",
@@ -33,25 +38,52 @@ _ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _assemble(step_dir: Path, md, name: str, dtype: torch.dtype) -> torch.Tensor:
+def _assemble(reader: ItemReader, step_dir: Path, md, chunks, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """One whole tensor from its saved chunks, each chunk's bytes checked against the checksum written with them."""
     meta = md.state_dict_metadata[name]
     out = torch.empty(tuple(meta.size), dtype=dtype)
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
     for chunk in meta.chunks:
-        info = md.storage_data[MetadataIndex(name, chunk.offsets)]
-        with open(step_dir / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            piece = torch.load(io.BytesIO(f.read(info.length)), map_location="cpu", weights_only=True)
-        box(out, chunk.offsets, chunk.sizes).copy_(piece)
-        del piece
+        index = MetadataIndex(name, chunk.offsets)
+        info = md.storage_data[index]
+        with reader.open(step_dir / info.relative_path, info.relative_path) as f:
+            box(out, chunk.offsets, chunk.sizes).copy_(f.read(index, info, chunks[index]))
     return out
 
 
-def export(directory: str, out: str, dtype: str | None = None) -> dict:
-    step_dir, manifest = open_checkpoint(directory)
-    verify_crcs(step_dir, manifest)  # a flipped bit is named, not exported as a wrong weight
+def parse_size(text: str) -> int:
+    """``"5GB"``, ``"500MB"``, ``"2GiB"``, ``"1000"`` (bytes) -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*", text.lower())
+    if not m:
+        raise PluginError(f"--max-shard-size {text!r}: not a size -> write e.g. 5GB, 500MB, 2GiB or a number of bytes")
+    unit = (m.group(2) or "b").rstrip("b") or "b"
+    scale = {"b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30,
+             "ti": 2**40}[unit]
+    n = int(float(m.group(1)) * scale)
+    if n < 1:
+        raise PluginError(f"--max-shard-size {text!r}: must be at least one byte")
+    return n
+
+
+def _hf_files(manifest: dict, dtype: str | None) -> dict[str, dict]:
+    """``{file name: JSON}`` of the transformers config files the manifest recorded (none for other models)."""
+    model = manifest.get("model") or {}
+    out = {}
+    if model.get("hf_config"):
+        config = dict(model["hf_config"])
+        if dtype:  # the exported weights' dtype, which from_pretrained(dtype="auto") takes
+            config["dtype"] = str(_DTYPES[dtype]).split(".")[-1]
+            config.pop("torch_dtype", None)
+        out["config.json"] = config
+    if model.get("hf_generation_config"):
+        out["generation_config.json"] = model["hf_generation_config"]
+    return out
+
+
+def export(directory: str, out: str, dtype: str | None = None, max_shard_size: int = MAX_FILE) -> dict:
+    step_dir, manifest = open_checkpoint(directory)  # then every chunk read is checked: a flipped bit is named
+    check_whole_file(step_dir / ".metadata", manifest["files"].get(".metadata"))
     md = read_metadata_file(step_dir / ".metadata")
+    chunks, reader = chunk_table(md), ItemReader(manifest["files"], manifest.get("item_format") == ROW_MAJOR)
     names = [n for n, t in manifest["tensors"].items() if t["role"] == "param"]
     aliases = {a: src for a, src in (manifest.get("model") or {}).get("tied", {}).items() if src in names}
     stored = {n: getattr(torch, manifest["tensors"][n]["dtype"]) for n in names}
@@ -61,7 +93,7 @@ def export(directory: str, out: str, dtype: str | None = None) -> dict:
              for n in order}
     files, current, used = [], [], 0
     for n in order:
-        if current and used + sizes[n] > MAX_FILE:
+        if current and used + sizes[n] > max_shard_size:
             files.append(current)
             current, used = [], 0
         current.append(n)
@@ -88,14 +120,17 @@ def export(directory: str, out: str, dtype: str | None = None) -> dict:
             f.write(len(text).to_bytes(8, "little"))
             f.write(text.encode())
             for n in group:
-                t = _assemble(step_dir, md, aliases.get(n, n), target[aliases.get(n, n)])
-                f.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+                t = _assemble(reader, step_dir, md, chunks, aliases.get(n, n), target[aliases.get(n, n)])
+                if t.numel():
+                    f.write(t.contiguous().view(-1).view(torch.uint8).numpy())  # its memory, not a copy
                 del t
             f.flush()
             os.fsync(f.fileno())
     if len(files) > 1:
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=1) + "\n")
+    for fname, data in _hf_files(manifest, dtype).items():
+        (tmp / fname).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     model = (manifest.get("recipe") or {}).get("model")
     if model:
         (tmp / "recipe_model.json").write_text(json.dumps(model, indent=1) + "\n")
@@ -110,9 +145,10 @@ def main(argv=None) -> int:
     p.add_argument("directory")
     p.add_argument("-o", "--out", required=True)
     p.add_argument("--dtype", choices=sorted(_DTYPES))
+    p.add_argument("--max-shard-size", default="5GB", help="largest file (default 5GB; 500MB, 2GiB, bytes)")
     args = p.parse_args(argv)
     try:
-        done = export(args.directory, args.out, args.dtype)
+        done = export(args.directory, args.out, args.dtype, parse_size(args.max_shard_size))
     except PluginError as e:
         print(e, file=sys.stderr)
         return 2

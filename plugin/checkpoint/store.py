@@ -1,10 +1,11 @@
 """Saving and loading a :class:`~.boxes.LocalState`: the directory protocol over DCP (every rank calls them).
 
 Save: rank 0 makes ``DIR/step-N.partial``; every rank writes its pieces through DCP (``sync_files``: data and
-``.metadata`` fsynced) and the crc32 of the file it wrote; rank 0 gathers those, writes the manifest (tensor
-table, sizes, checksums) atomically, renames the directory to ``step-N``, replaces ``DIR/latest`` and prunes.
+``.metadata`` fsynced), each item's checksum taken while it is written (:mod:`.digest`); rank 0 gathers those,
+writes the manifest (tensor table, sizes, checksums) atomically, removes the steps above N (an abandoned timeline:
+see :func:`~.directory.drop_later_steps`), renames the directory to ``step-N``, replaces ``DIR/latest`` and prunes.
 Load: the manifest, then every check that needs no collective (model names and shapes, files and sizes), then
-the crc32 of every data file (spread over the ranks, one gather), then DCP's resharding read into the pieces.
+DCP's resharding read into the pieces, every item's bytes checked against its checksum as they are read.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import json
 import os
 import shutil
 import time
-import zlib
 from pathlib import Path
 
 import torch
@@ -22,8 +22,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from .boxes import LocalState
-from .dcp_io import CheckpointError, PieceLoadPlanner, PieceSavePlanner, SafeReader
-from .directory import LATEST, MANIFEST, fsync_dir, prune, resolve, step_name, write_atomic
+from .dcp_io import ROW_MAJOR, CheckpointError, PieceLoadPlanner, PieceSavePlanner, SafeReader
+from .digest import SummingFileSystem, default_algorithm, file_record
+from .directory import LATEST, MANIFEST, drop_later_steps, fsync_dir, prune, resolve, step_name, write_atomic
 from .manifest import FORMAT, VERSION, check_files, read_manifest
 
 
@@ -42,14 +43,6 @@ def _gather(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-def file_crc(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 def role_of(name: str) -> str:
@@ -74,28 +67,29 @@ def save(state: LocalState, directory: str | Path, step: int, info: dict, *, kee
     _barrier()
     t0 = time.perf_counter()
     writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
+    algorithm = default_algorithm()
+    writer.fs = fs = SummingFileSystem(algorithm)
     try:
         metadata = dcp.save(state.entries, storage_writer=writer, planner=PieceSavePlanner())
     except CheckpointException as e:  # a BaseException: `except Exception` would miss it
         raise CheckpointError(f"{tmp}: saving failed: {e}") from None
-    mine = {p.name: {"size": p.stat().st_size, "crc32": file_crc(p)} for p in tmp.glob(f"__{_rank()}_*.distcp")}
+    mine = {n: file_record(tmp, n, items, algorithm) for n, items in fs.items.items() if n.endswith(".distcp")}
     files = {k: v for d in _gather(mine) for k, v in d.items()}
     if _rank() == 0:
-        files[".metadata"] = {"size": (tmp / ".metadata").stat().st_size, "crc32": file_crc(tmp / ".metadata")}
+        files[".metadata"] = file_record(tmp, ".metadata", fs.items[".metadata"], algorithm)
         tensors = {}
         for name, md in sorted(metadata.state_dict_metadata.items()):
             rec = {"role": role_of(name), "shape": list(md.size), "dtype": str(md.properties.dtype).split(".")[-1]}
             if rec["role"] == "optim":
                 rec["param"], rec["key"] = name[len("optim."):].rsplit(".", 1)
             tensors[name] = rec
-        manifest = {"format": FORMAT, "version": VERSION, "complete": True, "step": step, **info,
+        manifest = {"format": FORMAT, "version": VERSION, "complete": True, "step": step, "item_format": ROW_MAJOR,
+                    **info,
                     "scalars": state.scalars, "tensors": tensors, "files": files,
                     "save_seconds": round(time.perf_counter() - t0, 3)}
         write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
         fsync_dir(tmp)
-        if final.exists():  # the same step saved again: the new one replaces it
-            (final / MANIFEST).unlink(missing_ok=True)
-            shutil.rmtree(final)
+        drop_later_steps(root, step)  # and the same step saved again: the new one replaces it
         os.rename(tmp, final)
         fsync_dir(root)
         write_atomic(root / LATEST, final.name + "\n")
@@ -105,28 +99,15 @@ def save(state: LocalState, directory: str | Path, step: int, info: dict, *, kee
     return final
 
 
-def verify_crcs(step_dir: Path, manifest: dict) -> None:
-    """Every file's crc32 against the manifest, the files spread over the ranks; every rank raises alike."""
-    names = sorted(manifest["files"])
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    bad = []
-    for i, name in enumerate(names):
-        if i % world == _rank():
-            got = file_crc(step_dir / name)
-            if got != manifest["files"][name]["crc32"]:
-                bad.append(f"{step_dir / name}: crc32 {got:08x}, the manifest recorded "
-                           f"{manifest['files'][name]['crc32']:08x} (corrupted)")
-    bad = sorted(b for part in _gather(bad) for b in part)
-    if bad:
-        raise CheckpointError("the checkpoint is damaged:\n  " + "\n  ".join(bad)
-                              + "\n-> resume from an earlier step directory")
-
-
 def open_checkpoint(directory: str | Path) -> tuple[Path, dict]:
     """The step directory ``directory`` resolves to, and its manifest, its files checked for presence and size."""
     step_dir = resolve(directory)
     manifest = read_manifest(step_dir)
     bad = check_files(step_dir, manifest)
+    old = sorted(n for n, rec in manifest.get("files", {}).items() if "items" not in rec)
+    if old:
+        raise CheckpointError(f"{step_dir}: {', '.join(old)} carry no per-item checksums (written by an earlier "
+                              "development version of the plugin's format) -> save it again with this version")
     if bad:
         raise CheckpointError("the checkpoint is damaged:\n  " + "\n  ".join(bad)
                               + "\n-> resume from an earlier step directory")
@@ -135,9 +116,9 @@ def open_checkpoint(directory: str | Path) -> tuple[Path, dict]:
 
 def load(state: LocalState, step_dir: Path, manifest: dict) -> None:
     """Fill ``state``'s pieces from ``step_dir`` (resharding on read), then run its ``after_load`` callables."""
-    verify_crcs(step_dir, manifest)
+    reader = SafeReader(step_dir, manifest["files"], manifest.get("item_format") == ROW_MAJOR)
     try:
-        dcp.load(state.entries, storage_reader=SafeReader(step_dir), planner=PieceLoadPlanner())
+        dcp.load(state.entries, storage_reader=reader, planner=PieceLoadPlanner())
     except CheckpointException as e:  # a BaseException; its failures carry our CheckpointError messages
         failures = getattr(e, "failures", {}) or {}
         first = next(iter(failures.values()), e)

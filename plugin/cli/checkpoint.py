@@ -37,6 +37,8 @@ def register(sub) -> None:
     e.add_argument("directory", metavar="DIR")
     e.add_argument("-o", "--out", required=True)
     e.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
+    e.add_argument("--max-shard-size", metavar="SIZE", help="largest safetensors file (default 5GB; e.g. 500MB, "
+                   "2GiB, or bytes); a split export gets model.safetensors.index.json")
     e.set_defaults(run=run_export)
 
 
@@ -129,4 +131,6 @@ def run_export(args) -> int:
     cmd = [sys.executable, "-m", "plugin.checkpoint.export", args.directory, "-o", args.out]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
+    if args.max_shard_size:
+        cmd += ["--max-shard-size", args.max_shard_size]
     return subprocess.run(cmd).returncode

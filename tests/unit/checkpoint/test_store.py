@@ -22,6 +22,7 @@ from plugin.checkpoint.boxes import (
     whole_held,
 )
 from plugin.checkpoint.dcp_io import CheckpointError, read_metadata_file
+from plugin.checkpoint.digest import digest
 from plugin.checkpoint.directory import MANIFEST, resolve
 from plugin.checkpoint.manifest import model_problems
 from plugin.checkpoint.store import load, open_checkpoint, save
@@ -92,6 +93,31 @@ def test_directory_protocol_partial_latest_keep(tmp_path, full):
         resolve(empty)
 
 
+def test_a_save_below_the_highest_step_drops_the_abandoned_timeline(tmp_path, full):
+    """Steps 2-8 saved, then a run resumed from step 2 saves step 4 (--keep 2): the abandoned 6 and 8 (and the old
+    4) go before the new 4 is committed, so --resume and --keep see one timeline: 2 and the new 4."""
+    for step in (2, 4, 6, 8):
+        _save(tmp_path, full, step=step)
+    old4 = json.loads((tmp_path / "step-00000004" / MANIFEST).read_text())["save_seconds"]
+    changed = {n: t * 2 for n, t in full.items()}
+    _save(tmp_path, changed, step=4, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000002", "step-00000004"]
+    assert (tmp_path / "latest").read_text() == "step-00000004\n" and resolve(tmp_path).name == "step-00000004"
+    step_dir, manifest = open_checkpoint(tmp_path)
+    got = torch.empty(3, 4, 2)
+    load(LocalState({"w": Entry((3, 4, 2), torch.float32, [Piece((0, 0, 0), got)])}), step_dir, manifest)
+    assert torch.equal(got, changed["w"]), f"the new step 4 (the old one took {old4} s) is what resumes"
+
+
+def test_a_fresh_train_run_refuses_a_save_directory_holding_another_run(tmp_path, full, capsys):
+    import train
+
+    _save(tmp_path, full, step=6)
+    assert train.main(["--recipe", "cpu_single", "--steps", "2", "--save", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "holds the complete checkpoints of another run (steps 6)" in err and f"--resume {tmp_path}" in err
+
+
 def test_truncated_file_is_named_with_both_sizes(tmp_path, full):
     d = _save(tmp_path, full)
     data = next(d.glob("__0_*.distcp"))
@@ -109,13 +135,17 @@ def test_flipped_byte_is_found_by_its_checksum(tmp_path, full):
     raw[len(raw) // 2] ^= 0xFF  # stock DCP loads this silently with one tensor wrong
     data.write_bytes(bytes(raw))
     step_dir, manifest = open_checkpoint(tmp_path)
-    target = LocalState({"w": Entry((3, 4, 2), torch.float32, [Piece((0, 0, 0), torch.empty(3, 4, 2))])})
-    with pytest.raises(CheckpointError, match=rf"{data.name}: crc32 .* \(corrupted\)"):
+    target = LocalState({n: Entry(tuple(t.shape), torch.float32, [Piece((0,) * t.dim(), torch.empty_like(t))])
+                         for n, t in full.items()})  # a load that reads every byte of the file
+    algo = manifest["files"][data.name]["checksum"]
+    with pytest.raises(CheckpointError, match=rf"{data.name}: .* at byte \d+: {algo} \w+, the manifest recorded "
+                                              r"\w+ \(corrupted\)"):
         load(target, step_dir, manifest)
     from plugin.checkpoint.export import export
 
-    with pytest.raises(CheckpointError, match=rf"{data.name}: crc32 .* \(corrupted\)"):
+    with pytest.raises(CheckpointError, match=rf"{data.name}: .* {algo} \w+, the manifest recorded \w+ \(corrupted\)"):
         export(str(tmp_path), str(tmp_path / "out"))  # not a consolidated file with one wrong weight
+    assert not (tmp_path / "out").exists()
 
 
 class _Payload:
@@ -134,8 +164,9 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path, full):
         read_metadata_file(d / ".metadata")
     # through the whole load as well: whatever refuses it first, nothing ran
     manifest = json.loads((d / MANIFEST).read_text())
-    manifest["files"][".metadata"] = {"size": (d / ".metadata").stat().st_size,
-                                      "crc32": __import__("zlib").crc32((d / ".metadata").read_bytes())}
+    size, algo = (d / ".metadata").stat().st_size, manifest["files"][".metadata"]["checksum"]
+    manifest["files"][".metadata"] = {"size": size, "checksum": algo,
+                                      "items": [[0, size, digest(algo, (d / ".metadata").read_bytes())]]}
     (d / MANIFEST).write_text(json.dumps(manifest))
     step_dir, manifest = open_checkpoint(tmp_path)
     target = LocalState({"w": Entry((3, 4, 2), torch.float32, [Piece((0, 0, 0), torch.empty(3, 4, 2))])})
@@ -183,3 +214,21 @@ def test_a_transposed_conv1d_shard_lands_in_the_source_layout(tp, parts, dim):
         for p in compose(whole_held(local), tp_segments(local.shape, source.shape, lay, r, tp)):
             box(out, p.offsets, p.view.shape).copy_(p.view)
     assert torch.equal(out, source)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_an_items_bytes_are_viewed_without_unpickling(dtype):
+    """What the load and the export take (:mod:`plugin.checkpoint.items`): the torch.save zip's data record, viewed;
+    None (the torch.load fallback) for what is not a row-major chunk of that size."""
+    import io
+
+    from plugin.checkpoint.items import item_tensor
+
+    t = (torch.arange(3 * 5 * 7) * 3).to(dtype).view(3, 5, 7)
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    raw = memoryview(bytearray(buf.getvalue()))
+    got = item_tensor(raw, dtype, (3, 5, 7))
+    assert got is not None and torch.equal(got, t)
+    assert item_tensor(raw, dtype, (3, 5, 6)) is None  # a size that does not match
+    assert item_tensor(raw[:-30], dtype, (3, 5, 7)) is None  # a damaged tail

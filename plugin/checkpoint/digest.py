@@ -1,0 +1,172 @@
+"""Checksums of a checkpoint's bytes, taken while DCP writes them and checked while a load reads them (never a
+second pass over the files).
+
+DCP's file writer writes each item (one piece: a ``torch.save`` of one tensor) at ``stream.tell()`` and asks
+``stream.tell()`` again when it is done: :class:`SummingFileSystem` hands it streams that hash everything written
+and cut the hash at every ``tell()``, so each item's ``[offset, offset + length)`` gets its own digest (and a file
+written without ``tell()``, like ``.metadata``, one digest for the whole). A load then hashes exactly the bytes it
+reads, item by item, before ``torch.load`` sees them: a flipped bit in anything a rank reads is named, and nothing
+is read twice.
+
+The same streams start the kernel's write-back of every 32 MiB as soon as it is written (Linux
+``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not wait), so DCP's ``fsync`` at the end of the file finds
+most of it on disk already instead of writing it all then: the save stays durable, the fsync no longer doubles it.
+
+The hash is xxHash's XXH3-64 when the ``xxhash`` package is importable (about 3.5 GB/s here, against zlib's crc32
+at 0.6 GB/s, which would add a third to a save), else crc32; the manifest records which.
+"""
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import sys
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from ..errors import PluginError
+
+try:
+    import xxhash
+except ImportError:  # pragma: no cover - the data extra brings it (datasets requires it)
+    xxhash = None
+
+ALGORITHMS = ("xxh3_64", "crc32")
+WRITEBACK_EVERY = 32 << 20
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _sync_file_range():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_start_writeback = _sync_file_range()
+
+
+def default_algorithm() -> str:
+    return "xxh3_64" if xxhash is not None else "crc32"
+
+
+class Hasher:
+    """An incremental hash of ``algorithm``; ``hexdigest()`` is what the manifest records."""
+
+    def __init__(self, algorithm: str):
+        if algorithm == "xxh3_64":
+            if xxhash is None:
+                raise PluginError("the checkpoint's checksums are XXH3-64 and the xxhash package is missing -> "
+                                      "pip install xxhash")
+            self._h = xxhash.xxh3_64()
+        elif algorithm == "crc32":
+            self._h, self._crc = None, 0
+        else:
+            raise PluginError(f"unknown checksum {algorithm!r} in the manifest -> written by another plugin "
+                                  "version")
+
+    def update(self, data) -> None:
+        if self._h is not None:
+            self._h.update(data)
+        else:
+            self._crc = zlib.crc32(data, self._crc)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest() if self._h is not None else f"{self._crc:08x}"
+
+
+def digest(algorithm: str, data) -> str:
+    h = Hasher(algorithm)
+    h.update(data)
+    return h.hexdigest()
+
+
+class _SummingStream(io.RawIOBase):
+    """A binary file opened for writing whose bytes are hashed, the hash cut at every ``tell()``."""
+
+    def __init__(self, raw, algorithm: str, record: list):
+        self._raw, self._algorithm, self._record = raw, algorithm, record
+        self._start = self._pos = self._flushed = 0
+        self._h = Hasher(algorithm)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        view = memoryview(b).cast("B")
+        self._h.update(view)
+        n = self._raw.write(view)
+        self._pos += n
+        if _start_writeback is not None and self._pos - self._flushed >= WRITEBACK_EVERY:
+            self._raw.flush()
+            _start_writeback(self._raw.fileno(), self._flushed, self._pos - self._flushed, _SYNC_FILE_RANGE_WRITE)
+            self._flushed = self._pos
+        return n
+
+    def _cut(self) -> None:
+        if self._pos > self._start:
+            self._record.append([self._start, self._pos - self._start, self._h.hexdigest()])
+            self._start, self._h = self._pos, Hasher(self._algorithm)
+
+    def tell(self) -> int:
+        self._cut()
+        return self._pos
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        if not self._raw.closed:
+            self._raw.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._cut()
+            self._raw.close()
+        super().close()
+
+
+class SummingFileSystem(FileSystem):
+    """DCP's local file system whose write streams hash what they write: ``items[file name]`` = ``[[offset,
+    length, digest], ...]`` in file order once the stream is closed."""
+
+    def __init__(self, algorithm: str):
+        super().__init__()
+        self.algorithm = algorithm
+        self.items: dict[str, list] = {}
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        record = self.items.setdefault(Path(path).name, [])
+        record.clear()
+        with open(path, mode) as raw:
+            stream = _SummingStream(raw, self.algorithm, record)
+            try:
+                yield stream
+            finally:
+                stream.close()
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        old, new = Path(path).name, Path(new_path).name
+        if old in self.items:
+            self.items[new] = self.items.pop(old)
+
+
+def file_record(step_dir: Path, name: str, items: list, algorithm: str) -> dict:
+    """The manifest's record of one file: its size (a truncation check that needs no read) and its items' digests."""
+    size = os.stat(step_dir / name).st_size
+    assert sum(n for _, n, _ in items) == size, f"{name}: the hashed items do not cover the file"
+    return {"size": size, "checksum": algorithm, "items": items}
