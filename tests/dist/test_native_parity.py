@@ -25,7 +25,8 @@ bf16 (DDP under autocast), equal to the native back end's bf16 and near fp32 (a 
 ``accelerate launch`` where deepspeed is installed but transformers is not (the README's
 ``.[deepspeed,accelerate]`` install: Accelerate's DeepSpeed plugin imports transformers) training on the
 native back end; under torchrun and by hand, the refusal of a world that does not fit the recipe; the
-transformers models (gpt2, llama) at tp2 x dp2.
+transformers models (gpt2, llama) at tp2 x dp2; Accelerate's own engine (DDP) on Hugging Face dict batches
+(train.py --model llama --data, the shipped JSONL and tokenizer) against one process, in both venvs.
 
 ``PLUGIN_REQUIRE=accelerate`` (:mod:`.needs`) makes a missing accelerate fail the run instead of skipping it.
 """
