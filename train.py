@@ -46,7 +46,8 @@ def parse_args(argv=None):
                    "of step s then removes the checkpoints of steps above s under --save: an abandoned timeline)")
     p.add_argument("--model", default="gpt",
                    help="gpt: the reference GPT; llama, qwen2, mistral, gpt2: transformers models sized by the "
-                   "recipe's model block; or a config.json path (random weights; must agree with the recipe)")
+                   "recipe's model block; or a config.json path (random weights; must agree with the recipe); or "
+                   "a save_pretrained directory (config.json + *.safetensors): its weights, each rank reading its part")
     p.add_argument("--data", nargs="+", metavar="PATH",
                    help="local text / JSONL / Parquet files or directories, packed into seq_len windows "
                    "(default: the standard library's text, byte-level)")
@@ -68,6 +69,12 @@ def local_windows(args, recipe):
     global_batch = recipe.layout(int(os.environ.get("WORLD_SIZE", "1"))).global_batch
     check_enough(train, recipe.model.seq_len, global_batch)
     return train, evaluation
+
+
+def saved_weights(name):
+    """--model DIR where DIR holds weights next to its config.json (save_pretrained's output): DIR, else None."""
+    d = Path(name)
+    return str(d) if d.is_dir() and (any(d.glob("*.safetensors")) or any(d.glob("*.bin"))) else None
 
 
 def build_model(name, dims):
@@ -148,7 +155,7 @@ def main(argv=None):
         print(e, file=sys.stderr)
         return 2
     try:
-        engine = plugin.initialize(model, recipe, seed=args.seed)
+        engine = plugin.initialize(model, recipe, seed=args.seed, weights=saved_weights(args.model))
     except RecipeError:
         return 2  # rank 0 already printed every problem
     except PluginError as e:

@@ -41,17 +41,18 @@ def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], *, tensor_sharded: set, tp_rank: int,
                      model_group=None, model_size: int = 1, data_group=None, data_sharded: bool = False,
-                     device: torch.device | None = None) -> torch.Tensor:
+                     device: torch.device | None = None, skip: frozenset = frozenset()) -> torch.Tensor:
     """The global 2-norm of the gradients of ``params`` (this rank's parameters), the same on every rank.
 
     ``tensor_sharded``: ids of the parameters sharded by tensor parallelism. ``model_group`` (size
     ``model_size``): tensor x pipeline peers. ``data_group`` with ``data_sharded=True``: the FSDP2 data
-    group over which DTensor gradients are split (a collective every data rank must join).
+    group over which DTensor gradients are split (a collective every data rank must join). ``skip``: ids of
+    parameters counted on another rank (a weight tied across pipeline stages counts on its first holder only).
     """
     whole, pieces = [], []
     for p in params:
         # a replicated parameter is the same on every tensor rank: count it once, on tensor rank 0 (as DeepSpeed does)
-        if p.grad is None or (tp_rank != 0 and id(p) not in tensor_sharded):
+        if p.grad is None or id(p) in skip or (tp_rank != 0 and id(p) not in tensor_sharded):
             continue
         local, is_piece = _local(p.grad.detach())
         (pieces if is_piece else whole).append(local)

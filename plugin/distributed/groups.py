@@ -1,10 +1,12 @@
 """Process groups from the pure topology: the only module that calls ``torch.distributed.new_group``.
 
 :func:`build_groups` turns :class:`plugin.distributed.topology.Topology`'s rank lists into process groups and returns
-this rank's :class:`ParallelGroups`. ``new_group`` must be called by every rank for every group in the
-same order; it is, in the topology's order: tensor, data, pipeline, then model groups. A rank list seen
-before reuses its group (with no pipeline the model group is the tensor group), and a group of the
-whole world is the default group itself, so no communicator is created twice.
+this rank's :class:`ParallelGroups`; :func:`build_tie_groups` makes the groups over which the copies of a weight
+tied across pipeline stages sum their gradients (the native back end's; DeepSpeed's PipelineModule builds its own).
+``new_group`` must be called by every rank for every group in the same order; it is, in the topology's order:
+tensor, data, pipeline, then model groups. A rank list seen before reuses its group (with no pipeline the model
+group is the tensor group), and a group of the whole world is the default group itself, so no communicator is
+created twice.
 
 With DeepSpeed's ``PipelineModule`` the groups already exist in its grid (``deepspeed.initialize`` then
 requires ``mpu=None``): :meth:`ParallelGroups.from_deepspeed_grid` wraps them without creating any, so
@@ -206,3 +208,24 @@ def build_groups(topology: Topology, backend: str | None = None) -> ParallelGrou
     pipeline = group_for(topology.pipeline_groups())
     model = group_for(topology.model_groups())
     return ParallelGroups(topology, rank, *tensor, *data, *pipeline, *model)
+
+
+def build_tie_groups(topology: Topology, pipeline_ranks: list[tuple[int, ...]], backend: str | None = None) -> dict:
+    """Megatron's embedding group, for any weight tied across pipeline stages: for each set of pipeline coordinates
+    in ``pipeline_ranks`` (e.g. ``(0, pipeline - 1)``: the first and last stage), one group per (data, tensor)
+    coordinate of the global ranks at those pipeline coordinates. Returns ``{pipeline ranks: this rank's group}``
+    for the sets this rank is in (gradients of the tied copies are summed over it).
+
+    A collective: every rank calls it with the same sets, in the same order (the sets are sorted here).
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = {}
+    for pp_ranks in sorted(set(pipeline_ranks)):
+        for dp in range(topology.dp_size):
+            for tp in range(topology.tp_size):
+                ranks = [topology.rank(pp=p, dp=dp, tp=tp) for p in pp_ranks]
+                whole_world = len(ranks) == world and backend is None
+                group = dist.group.WORLD if whole_world else dist.new_group(ranks, backend=backend)
+                if rank in ranks:
+                    mine[pp_ranks] = group
+    return mine

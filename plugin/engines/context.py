@@ -29,7 +29,8 @@ class BuildContext:
     world. ``device``: where this rank computes. ``layers_of(model)``: the model as an ordered layer list, for
     pipeline stages and FSDP2 units. ``apply_tp(model, tp_group, pp_rank=0)``: shards it with the recipe's
     tensor-parallel plan. ``loss_for(tp_group)``: the loss function, once the tensor group exists.
-    ``seed``: the init seed of meta tensors; ``units``: what :meth:`materialize` fills.
+    ``seed``: the init seed of meta tensors; ``units``: what :meth:`materialize` fills; ``weights``: where their
+    values come from instead (a :class:`plugin.materialize.weights.SafetensorsWeights`), or None for the init.
     """
 
     model: Any
@@ -42,6 +43,7 @@ class BuildContext:
     loss_for: Callable
     seed: int = 0
     units: tuple = ()  # the meta model's init units (plugin.materialize.capture); empty for an eager model
+    weights: Any = None  # initialize(weights=DIR): the units are filled from these files, each rank its part
 
     @property
     def on_meta(self) -> bool:
@@ -58,7 +60,7 @@ class BuildContext:
 
         check_same_seed(self.seed, self.device)
         materialize(self.model, list(self.units), self.seed, self.device, sink=sink, held=held,
-                    cuts=getattr(self.apply_tp, "cuts", None))
+                    cuts=getattr(self.apply_tp, "cuts", None), source=self.weights)
 
     @property
     def topology(self) -> Topology:

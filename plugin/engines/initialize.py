@@ -75,6 +75,21 @@ def _capture(model) -> list:
     return capture(model) if isinstance(model, torch.nn.Module) else []
 
 
+def _weights_source(weights, units, model):
+    """``initialize(weights=DIR)``'s files, checked against the meta model's units before any process group."""
+    if weights is None:
+        return None
+    if not units:
+        raise PluginError(f"initialize(weights={str(weights)!r}): {type(model).__name__} is not on the meta device -> "
+                          "build it on meta (with torch.device('meta'): ...) or pass a builder, so that each rank "
+                          "reads only its part of the weights")
+    from ..materialize.weights import SafetensorsWeights
+
+    source = SafetensorsWeights(weights)
+    source.check(units)
+    return source
+
+
 def _seed(seed: int | None) -> int:
     import torch
 
@@ -122,7 +137,7 @@ def _fail(problems: list[Problem], env) -> None:
 
 
 def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, loss_fn: Callable | None = None,
-               world_size: int | None = None, backend: str | None = None):
+               world_size: int | None = None, backend: str | None = None, weights=None):
     """Shard ``model`` per ``recipe`` and wrap it in the chosen back end's :class:`~plugin.engines.base.Engine`.
 
     ``model``: an ``nn.Module`` built on the meta device (``with torch.device("meta"): GPT(cfg)``), or a
@@ -138,6 +153,8 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
     ``loss_fn(output, labels)``: defaults to next-token cross entropy, vocab-parallel when the head is sharded.
     ``world_size``: the world the caller expects; it must equal the launcher's WORLD_SIZE.
     ``backend``: "deepspeed", "accelerate" or "native" to override :func:`choose_backend`.
+    ``weights``: a directory ``save_pretrained`` wrote (``*.safetensors``), for a model on meta or a builder: each
+    rank reads only its part of the tensors (:mod:`plugin.materialize.weights`), checked against the model first.
     Raises :class:`RecipeError` with every problem, before building anything, when the recipe does not fit the
     launched world or the model.
     """
@@ -150,6 +167,7 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
     check_launch(recipe, env)
     model = as_module(build_on_meta(model))
     units = _capture(model)  # before any wrapping, the same on every rank: refuses a module that cannot be filled
+    source = _weights_source(weights, units, model)
     problems = check_model(model, recipe)
     if any(p.is_error for p in problems):
         _fail([p for p in problems if p.is_error], env)
@@ -187,7 +205,7 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
         raise PluginError(f'unknown backend {backend!r} -> use "deepspeed", "accelerate" or "native"')
     engine = build(BuildContext(model=model, recipe=recipe, layout=layout, env=env, device=device,
                                 layers_of=layers_of, apply_tp=apply_tp, loss_for=loss_for,
-                                seed=_seed(seed), units=tuple(units)))
+                                seed=_seed(seed), units=tuple(units), weights=source))
     _check_nothing_left_on_meta(engine)
     engine.model_index, engine.tp_layouts, engine.whole_model = index, tp_layouts, model
     from ..models.hf_stages import is_hf_model

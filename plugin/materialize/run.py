@@ -38,11 +38,12 @@ def _is_meta(t) -> bool:
 
 
 def materialize(model: nn.Module, units: list[Unit], seed: int, device: torch.device, *, sink=None,
-                held: set[int] | None = None, cuts: Mapping[str, Callable] | None = None) -> int:
+                held: set[int] | None = None, cuts: Mapping[str, Callable] | None = None, source=None) -> int:
     """Fill every meta tensor of ``model`` that this rank holds (``held``: ids of its parameters and buffers; None:
     all), unit by unit; returns the number of units made. ``cuts``: ``{module name: dense module -> this rank's
     tensor-parallel module}`` for the modules a plan swapped (the plan's own cut, re-run on the whole values).
-    ``sink``: how a whole (or cut) tensor becomes this rank's (default: swapped in as it is)."""
+    ``sink``: how a whole (or cut) tensor becomes this rank's (default: swapped in as it is). ``source``: where the
+    values come from after the init call (:class:`.weights.SafetensorsWeights`: the part the cut keeps, from files)."""
     sink = sink or PlainSink(model)
     cuts = cuts or {}
     work = []
@@ -57,6 +58,8 @@ def materialize(model: nn.Module, units: list[Unit], seed: int, device: torch.de
         dense = twin(unit, device)
         with seeded(unit_seed(seed, unit.name), device), torch.no_grad():
             unit.init(unit.name, dense)
+        if source is not None:
+            source.fill(unit, dense, cuts.get(unit.name))
         check_written(unit, dense)
         piece = cuts[unit.name](dense) if unit.name in cuts else dense
         live = _live(model, unit.name)

@@ -43,7 +43,9 @@ def communication_per_rank(spec: ModelSpec, setup: Setup, stage: int = 0) -> lis
       their gradients to the previous one. With tied embeddings over more than one stage, the first and
       the last stage each hold the (vocab-parallel) embedding and all-reduce its gradient between them once
       per step (Megatron's ``_allreduce_word_embedding_grads``, DeepSpeed's ``allreduce_tied_weight_gradients``):
-      a ring of 2 sends the whole shard, Vh/t gradient values, from each of the two.
+      a ring of 2 sends the whole shard, Vh/t gradient values, from each of the two. In the gradients' dtype as
+      DeepSpeed holds them (bf16 under bf16); the native back end keeps fp32 gradients under autocast and sends
+      twice that. ``tests/dist/test_hf_layouts.py`` counts the bytes both back ends all-reduce at fp32: equal.
     """
     t, dp, m = setup.tp, setup.dp, setup.micro_batches
     p_bytes, g_bytes, _ = setup.state_bytes()

@@ -25,18 +25,20 @@ bf16 (DDP under autocast), equal to the native back end's bf16 and near fp32 (a 
 ``accelerate launch`` where deepspeed is installed but transformers is not (the README's
 ``.[deepspeed,accelerate]`` install: Accelerate's DeepSpeed plugin imports transformers) training on the
 native back end; under torchrun and by hand, the refusal of a world that does not fit the recipe; the
-transformers models (gpt2, llama) at tp2 x dp2.
+transformers models (gpt2, llama) at tp2 x dp2; Accelerate's own engine (DDP) on Hugging Face dict batches
+(train.py --model llama --data, the shipped JSONL and tokenizer) against one process, in both venvs.
 
 ``PLUGIN_REQUIRE=accelerate`` (:mod:`.needs`) makes a missing accelerate fail the run instead of skipping it.
 """
 import importlib.util
+import json
 import math
 import os
 
 import pytest
 
 from .needs import need
-from .runs import PARITY_LAYOUTS, cpu_env, recipe_variant, train
+from .runs import PARITY_LAYOUTS, ROOT, cpu_env, recipe_variant, train
 
 pytestmark = [pytest.mark.dist, pytest.mark.native]
 
@@ -235,5 +237,27 @@ def test_transformers_models_match_single_process_under_torchrun(model, tmp_path
     ref = train("cpu_single", 1, tmp_path, launcher="python", steps=4, extra=["--model", model], timeout=TIMEOUT)
     got = train("cpu_tp2_dp2", 4, tmp_path, launcher="torchrun", steps=4, extra=["--model", model], timeout=TIMEOUT)
     assert ref.backend == got.backend == "native", got.log()
+    assert_same_losses(got, ref.losses, range(1, 5))
+    assert ref.losses[4] < ref.losses[1], ref.log()
+
+
+def test_accelerate_engine_trains_hf_dict_batches_as_one_process(tmp_path):
+    """Accelerate's own engine (DDP, ZeRO-0) on Hugging Face dict batches: train.py --model llama on the shipped JSONL
+    through the shipped tokenizer (``{"input_ids", "labels"}`` dicts, labels shifted inside the token-weighted loss),
+    accumulating 2 micro-batches per data rank, gives one process's losses; in both venvs (with deepspeed installed,
+    ZeRO-0 under accelerate launch is still Accelerate's DDP)."""
+    need("transformers")
+    need("datasets")
+    from plugin.recipe.load import find_recipe
+
+    data = ROOT / "tests" / "data"
+    extra = ["--model", "llama", "--data", data / "corpus" / "stdlib_docs.jsonl", "--tokenizer", data / "tokenizer"]
+    model = {**json.loads(find_recipe("cpu_single").read_text())["model"], "vocab": 512}  # the tokenizer's 512
+    single = recipe_variant("cpu_single", tmp_path, "cpu_single_hf", model=model, launcher="torchrun")
+    name = "cpu_dp4_zero0_hf"
+    recipe = recipe_variant("cpu_dp4", tmp_path, name, model=model, zero={"stage": 0}, batch=ACCUM2)
+    ref = train(single, 1, tmp_path, launcher="python", steps=4, extra=extra, timeout=TIMEOUT)
+    got = train(recipe, 4, tmp_path, launcher="accelerate", steps=4, extra=extra, timeout=TIMEOUT)
+    assert got.backend == "accelerate" and "Accelerate's DistributedDataParallel" in got.stderr, got.log()
     assert_same_losses(got, ref.losses, range(1, 5))
     assert ref.losses[4] < ref.losses[1], ref.log()

@@ -8,8 +8,9 @@ Megatron-style layers for tensor parallelism, all from one exported ds_config.
   Its grid is the only grid: the tensor groups are taken from it (``get_slice_parallel_group``), and the
   model is sharded after the module has cut its stage, inside the same layer objects.
 
-Before any process group exists, a weight tied across two stages is refused by name
-(:mod:`plugin.pipeline_parallel.checks`): the PipelineModule would train two copies of it apart.
+A weight tied across stages (embedding and head) is found before any process group exists
+(:mod:`plugin.pipeline_parallel.checks`) and its holders handed to the PipelineModule as ``TiedLayerSpec`` entries
+(:mod:`.tied`): one copy per holding stage, broadcast at start, gradients all-reduced, counted once in the norm.
 
 Optimizer: the recipe's torch.optim optimizer (fused on CUDA), except DeepSpeed's CPUAdam for an offloaded Adam
 on CUDA where that op builds (:mod:`plugin.engines.deepspeed.optimizer`). The exported ds_config is what the
@@ -45,7 +46,7 @@ from ..context import BuildContext
 from ..optim import build_optimizer, param_groups
 from ..precision import compute_dtype
 from ..shm import release_shm_buffer
-from . import state
+from . import state, tied
 from .config import engine_config
 from .optimizer import choose_optimizer
 
@@ -55,6 +56,10 @@ def _stage_class(pipeline_module):
     materialised (and tensor-sharded) once its grid exists, then moved."""
 
     class StageOnMeta(pipeline_module):
+        def _synchronize_tied_weights(self):  # in the constructor, on meta tensors: redone once materialised
+            if not any(p.device.type == "meta" for p in self.parameters()):
+                super()._synchronize_tied_weights()
+
         def to(self, *args, **kwargs):
             if any(t.device.type == "meta" for t in [*self.parameters(), *self.buffers()]):
                 return self
@@ -176,8 +181,9 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
     model, recipe, layout, device = ctx.model, ctx.recipe, ctx.layout, ctx.device
     layers_of, apply_tp, loss_for = ctx.layers_of, ctx.apply_tp, ctx.loss_for
     if layout.pipeline > 1:  # before any process group: every rank refuses alike, nothing hangs
-        check_stage_cut(layers_of(model), recipe.pipeline_parallel.partition, layout.pipeline,
-                        "DeepSpeed's PipelineModule")
+        bounds, ties = check_stage_cut(layers_of(model), recipe.pipeline_parallel.partition, layout.pipeline,
+                                       "DeepSpeed's PipelineModule")
+        tied.check_ties(ties, layers_of(model))
     # DeepSpeed settles its accelerator once, on first use (get_accelerator, reached by the import below): name the
     # device this engine runs on, so the two agree (on CPU it also spares DeepSpeed's detection warning). A value the
     # user exported wins.
@@ -199,7 +205,8 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
         ds_topology = PipeModelDataParallelTopology(num_pp=layout.pipeline, num_mp=layout.tensor,
                                                     num_dp=layout.data)
         pp = recipe.pipeline_parallel
-        module = _stage_class(PipelineModule)(layers=layers_of(model), topology=ds_topology,
+        module = _stage_class(PipelineModule)(layers=tied.to_specs(layers_of(model), ties, bounds),
+                                              topology=ds_topology,
                                               partition_method=pp.partition,
                                               activation_checkpoint_interval=recipe.activation_checkpointing.interval)
         groups = ParallelGroups.from_deepspeed_grid(module._grid)  # one grid: its slice group is the tensor group
@@ -208,9 +215,11 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
             apply_tp(model, groups.tensor_group, pp_rank=groups.pp_rank)
             layers_of(model)  # re-syncs a transformers stage list with the sharded modules (hf_stages)
         count_each_gradient_once(module, groups.tp_rank)  # marks on meta parameters survive materialising
+        tied.mark_replicas(module)  # after the tensor-parallel swap, which makes new parameters
         if ctx.on_meta:  # the stage's own layers only (PipelineModule registers no other)
             ctx.materialize(held={id(t) for t in [*module.parameters(), *module.buffers()]})
         module.to(device)
+        tied.synchronize(module)  # no-op without ties; under meta init the constructor's broadcast was skipped
         mpu = None  # DeepSpeed requires mpu=None with a PipelineModule; it uses the module's grid
     else:
         groups = build_groups(topology)

@@ -23,12 +23,13 @@ def build(ctx: BuildContext) -> NativeEngine:
     note = why_not_accelerate(recipe, os.environ, device.type == "cuda") if ctx.env.is_main else None
     if note:
         print(note, file=sys.stderr, flush=True)
-    bounds = None
+    bounds = ties = None
     if layout.pipeline > 1:  # counted on the whole model, before tensor sharding, as DeepSpeed counts them
-        bounds = check_stage_cut(ctx.layers_of(ctx.model), recipe.pipeline_parallel.partition,
-                                 layout.pipeline * virtual_stages(recipe), "torch.distributed.pipelining")
+        bounds, ties = check_stage_cut(ctx.layers_of(ctx.model), recipe.pipeline_parallel.partition,
+                                       layout.pipeline * virtual_stages(recipe), "torch.distributed.pipelining",
+                                       pipeline=layout.pipeline)
     init_process_group(device)
     groups = build_groups(ctx.topology)
     if layout.pipeline > 1:
-        return build_pipeline(ctx, groups, bounds)
+        return build_pipeline(ctx, groups, bounds, ties)
     return build_data_parallel(ctx, groups)

@@ -101,6 +101,7 @@ class NativeEngine(Engine):
     backend = "native"
     virtual_stages = 1
     data_sharded = False
+    norm_skip: frozenset = frozenset()  # ids of copies of a tied weight counted on another rank (pipeline.py)
 
     def __init__(self, recipe, layout, topology, groups, module, device, *, container, optimizer, scaler,
                  tensor_sharded: set):
@@ -131,7 +132,7 @@ class NativeEngine(Engine):
             tp_rank=self.groups.tp_rank, model_group=self.groups.model_group,
             model_size=self.groups.model_size,
             data_group=self.groups.data_group if self.layout.data > 1 else None,
-            data_sharded=self.data_sharded, device=self.device)
+            data_sharded=self.data_sharded, device=self.device, skip=self.norm_skip)
         self.last_grad_norm = float(norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)

@@ -8,6 +8,8 @@ over the data group.
 * Schedules: ``"gpipe"`` -> ``ScheduleGPipe``, ``"1f1b"`` -> ``Schedule1F1B``, ``"interleaved_1f1b"`` ->
   ``ScheduleInterleaved1F1B`` (``virtual_stages`` chunks per rank), with ``n_microbatches = grad_accum``; the
   schedule divides the accumulated gradients by the micro-batch count, like DeepSpeed's loss scaling.
+* A weight tied across stages (embedding and head): one copy per holding rank, equal at start, gradients summed
+  over the holders before the step, counted once in the norm (:mod:`.tied`, Megatron's embedding group).
 * Data parallelism: each stage module is wrapped in DDP over the data group (:func:`.common.wrap_ddp`; the stages
   all-reduce at their last backward); ZeRO-1 adds ``ZeroRedundancyOptimizer`` over the same group. ZeRO-2/3 with
   pipeline > 1 is refused by the recipe checks (as DeepSpeed refuses it).
@@ -37,6 +39,7 @@ from ...tensor_parallel.random import tensor_parallel_rngs
 from ..context import BuildContext
 from ..recompute import run_layers
 from .common import NativeEngine, build_scaler, ids_of, native_optimizer, tensor_sharded_names, wrap_ddp
+from .tied import TiedCopies
 
 
 class StageModule(nn.Module):
@@ -70,8 +73,10 @@ def virtual_stages(recipe) -> int:
 
 
 class PipelineEngine(NativeEngine):
-    def __init__(self, *args, schedule, stages, loss_fn: Callable, **kwargs):
+    def __init__(self, *args, schedule, stages, loss_fn: Callable, tied: TiedCopies | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.tied = tied or TiedCopies([])
+        self.norm_skip = self.tied.replicas
         self.schedule, self.stages, self.loss_fn = schedule, stages, loss_fn
         self.virtual_stages = len(stages)
         self.holds_first = any(s.is_first for s in stages)
@@ -110,6 +115,7 @@ class PipelineEngine(NativeEngine):
 
     def train_step(self, batch) -> float:
         loss = self._run(batch, train=True)
+        self.tied.sum_grads()
         self.optimizer_step()
         return loss
 
@@ -118,9 +124,9 @@ class PipelineEngine(NativeEngine):
         return self._run(batch, train=False)
 
 
-def build_pipeline(ctx: BuildContext, groups, bounds: list[int]) -> PipelineEngine:
-    """Stages of ``ctx.model`` on this rank's pipeline group; ``bounds``: the cut
-    (:func:`plugin.pipeline_parallel.checks.check_stage_cut`), made before any process group existed."""
+def build_pipeline(ctx: BuildContext, groups, bounds: list[int], ties=()) -> PipelineEngine:
+    """Stages of ``ctx.model`` on this rank's pipeline group; ``bounds`` and ``ties``: the cut and the weights tied
+    across it (:func:`plugin.pipeline_parallel.checks.check_stage_cut`), made before any process group existed."""
     from torch.distributed import pipelining
 
     recipe, layout, device = ctx.recipe, ctx.layout, ctx.device
@@ -137,6 +143,9 @@ def build_pipeline(ctx: BuildContext, groups, bounds: list[int]) -> PipelineEngi
     if ctx.on_meta:  # this rank's stages only: the other stages' layers stay on meta here
         ctx.materialize(held={id(t) for t in [*container.parameters(), *container.buffers()]})
     container.to(device)
+    tied = TiedCopies.build(ties, layers, {i for s in mine for i in range(bounds[s], bounds[s + 1])}, groups,
+                            layout.pipeline)
+    tied.broadcast_values()
     sharded_names = tensor_sharded_names(container)
     zero1 = recipe.zero.stage == 1 and layout.data > 1
     optimizer = native_optimizer(container, recipe, groups, zero1=zero1)
@@ -152,7 +161,7 @@ def build_pipeline(ctx: BuildContext, groups, bounds: list[int]) -> PipelineEngi
     engine = PipelineEngine(recipe, layout, ctx.topology, groups, container, device, container=container,
                             optimizer=optimizer, scaler=build_scaler(recipe, device),
                             tensor_sharded=ids_of(container, sharded_names), schedule=None, stages=stages,
-                            loss_fn=ctx.loss_for(groups.tensor_group))
+                            loss_fn=ctx.loss_for(groups.tensor_group), tied=tied)
     cls = getattr(pipelining, _SCHEDULES[pp_cfg.schedule])
     target = stages if pp_cfg.schedule == "interleaved_1f1b" else stages[0]
     engine.schedule = cls(target, n_microbatches=layout.grad_accum, loss_fn=engine.scaled_loss)

@@ -98,25 +98,40 @@ def test_shared_parameters_across_stages_are_named():
     assert cut_layers(layers, "uniform", 2) == [0, 2, 3]
 
 
-def test_a_weight_tied_across_stages_is_refused_before_any_group(launched_as, monkeypatch):
-    """DeepSpeed's PipelineModule, given plain modules, would keep one copy of the tied embedding/head per stage
-    and train them apart without a word."""
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # the back end would set it for the rest of the session
-    launched_as(4)
+def test_weights_tied_across_stages_are_found_with_their_holders():
+    """The reference GPT's tied embedding and head: one tie between the first and the last stage."""
+    from plugin.pipeline_parallel.checks import Tie, check_stage_cut
+
     recipe = load_recipe("cpu_pp2_dp2")
-    model = GPT(GPTConfig.from_recipe_model(recipe.model, tie_embeddings=True))
-    with pytest.raises(PluginError, match=r"shared by layers on different pipeline stages: .*head.*weight; "
-                                          r"DeepSpeed's PipelineModule would train two copies apart"):
-        plugin.initialize(model, recipe, backend="deepspeed")
-    assert not torch.distributed.is_initialized()
+    layers = GPT(GPTConfig.from_recipe_model(recipe.model, tie_embeddings=True)).to_layers()
+    bounds, ties = check_stage_cut(layers, "uniform", 2, "test")
+    n = len(layers) - 1
+    assert ties == [Tie((0, n), ("embed.weight", "head.weight"), (0, 1))] and ties[0].ranks(2) == (0, 1)
+    assert check_stage_cut(layers, "uniform", 1, "test")[1] == []  # one stage holds both: nothing to keep equal
 
 
-def test_the_native_pipeline_refuses_a_tied_weight_before_any_group(launched_as):
-    """torch.distributed.pipelining likewise: refused by name before the native back end creates a group."""
-    launched_as(4)
-    recipe = load_recipe("cpu_pp2_dp2")
-    model = GPT(GPTConfig.from_recipe_model(recipe.model, tie_embeddings=True))
-    with pytest.raises(PluginError, match=r"shared by layers on different pipeline stages: .*head.*weight; "
-                                          r"torch.distributed.pipelining would train two copies apart"):
-        plugin.initialize(model, recipe, backend="native")
-    assert not torch.distributed.is_initialized()
+def test_a_tie_two_stages_of_one_rank_would_hold_is_refused():
+    """Interleaved stages 0 and 2 sit on pipeline rank 0 of 2: one copy per rank cannot serve both."""
+    from plugin.pipeline_parallel.checks import check_stage_cut
+
+    embed, mid = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4)
+    head, out = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+    head.weight = embed.weight
+    with pytest.raises(PluginError, match=r"tied across pipeline stages \[0, 2\] \(Embedding \(layer 0\).weight, "
+                                          r"Linear \(layer 2\).weight\) would sit twice on one pipeline rank of 2"):
+        check_stage_cut([embed, mid, head, out], "uniform", 4, "torch.distributed.pipelining", pipeline=2)
+    assert check_stage_cut([embed, mid, head, out], "uniform", 2, "test")[1][0].stages == (0, 1)
+
+
+def test_deepspeed_refuses_a_layer_in_two_ties():
+    """One TiedLayerSpec key per layer: a layer holding weights tied to two different layers is named."""
+    from plugin.engines.deepspeed.tied import check_ties
+    from plugin.pipeline_parallel.checks import ties_across_stages
+
+    a, b, c = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    b.weight, c.bias = a.weight, a.bias  # a's weight tied to b, its bias to c
+    layers = [a, b, c]
+    ties = ties_across_stages(layers, [0, 1, 2, 3])
+    assert len(ties) == 2
+    with pytest.raises(PluginError, match=r"Linear \(layer 0\) holds weights tied to different layers"):
+        check_ties(ties, layers)

@@ -59,7 +59,7 @@ def test_same_cuts_as_deepspeed(weights, parts):
 
 
 def test_weights_tied_across_stages_are_named():
-    """torch.distributed.pipelining would train two copies of a tied weight apart: the engine refuses it."""
+    """A weight tied across stages is held by each stage: the engines keep the copies equal (see checks.py)."""
     from plugin.models.gpt import GPT, GPTConfig
     from plugin.pipeline_parallel.checks import shared_across_stages
 
