@@ -18,10 +18,12 @@ tp2 x pp2 native and DeepSpeed (whole, meta).
 
 What is measured, per process: the resident set's high-water mark (``VmHWM`` of /proc/self/status), reset to the
 current RSS (``echo 5 > /proc/self/clear_refs``) once torch, deepspeed and the plugin are imported and the process
-group exists; ``init`` = HWM after building + initialize minus the RSS at the reset. ``pre-opt``: the same HWM read
-when the first AdamW step starts (DeepSpeed runs one at ``initialize`` to allocate Adam's moments: ZeRO-3's fp32
-masters and moments at dp4 are 3 x 4 bytes / 4 = 3 bytes per parameter, as many as the whole fp32 model's 4;
-FSDP2 allocates them lazily, at the first real step, so there pre-opt = init). The worst rank is reported.
+group exists; ``init`` = HWM after building + initialize minus the RSS at the reset. ``model``: the same HWM read
+once the model's own tensors exist, before the engine allocates its own buffers (built whole; the plugin's
+materialisation returned; zero.Init's constructor returned; the torchtitan-style init done). ``pre-opt`` (JSON
+only): read when the first AdamW step starts; DeepSpeed 0.19.8's ZeRO-3 no longer steps at ``initialize`` (Adam's
+moments come at the first real step, as under FSDP2), so in every row measured here pre-opt = init: the optimizer's
+moments are outside the window. The worst rank is reported.
 Bytes held after initialize (``Engine.state_bytes``: parameters, gradients, optimizer states incl. fp32 masters,
 other) say where the growth goes. RSS counts what glibc keeps, page-granular; shared pages count in every process.
 
@@ -97,7 +99,22 @@ def _watch_first_adamw_step(marks: dict, base: int):
     torch.optim.AdamW.step = step
 
 
-def _zero_init(recipe, cfg):
+def _watch_model_made(marks: dict, base: int) -> None:
+    """``marks["model"]``: the HWM once the model's own tensors exist (built whole; or the plugin's
+    materialisation done: each rank's part made, partitioned or sharded), before the engine allocates its own."""
+    import plugin.materialize as package
+
+    original = package.materialize
+
+    def materialize(*args, **kwargs):
+        made = original(*args, **kwargs)
+        marks.setdefault("model", _status("VmHWM") - base)
+        return made
+
+    package.materialize = materialize
+
+
+def _zero_init(recipe, cfg, marks: dict, base: int):
     import deepspeed
 
     from plugin.engines.deepspeed.config import engine_config
@@ -108,6 +125,7 @@ def _zero_init(recipe, cfg):
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = GPT(cfg)
+    marks["model"] = _status("VmHWM") - base
     optimizer = build_optimizer(model.parameters(), recipe.optimizer)
     ds, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     from plugin.engines.memory import deepspeed_state_bytes
@@ -115,7 +133,7 @@ def _zero_init(recipe, cfg):
     return deepspeed_state_bytes(ds)
 
 
-def _fsdp2_meta(recipe, cfg):
+def _fsdp2_meta(recipe, cfg, marks: dict, base: int):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -136,6 +154,7 @@ def _fsdp2_meta(recipe, cfg):
     with seeded(0, torch.device("cpu")), torch.no_grad():
         for name, module in model.named_modules():  # torchtitan's init_weights: in place, on the local shards
             model.init_module(name, module)
+    marks["model"] = _status("VmHWM") - base
     optimizer = build_optimizer(model.parameters(), recipe.optimizer)
     return held_bytes(model, optimizer)
 
@@ -161,16 +180,20 @@ def _child(rank: int, port: int, row: tuple, step: bool, dims: dict, out_dir: st
     marks: dict = {}
     _watch_first_adamw_step(marks, base_rss)
     engine = None
+    _watch_model_made(marks, base_rss)
     if way == "zero.Init":
-        held = _zero_init(recipe, cfg)
+        held = _zero_init(recipe, cfg, marks, base_rss)
     elif way == "fsdp2-meta":
-        held = _fsdp2_meta(recipe, cfg)
+        held = _fsdp2_meta(recipe, cfg, marks, base_rss)
     else:
         model = GPT(cfg) if way == "whole" else (lambda: GPT(cfg))
+        if way == "whole":
+            marks["model"] = _status("VmHWM") - base_rss
         engine = plugin.initialize(model, recipe, seed=0, backend=backend)
         held = engine.state_bytes()
     init = _status("VmHWM") - base_rss
-    result = {"init": init, "pre_opt": marks.get("pre_opt", init), "held": held, "base_rss": base_rss}
+    result = {"init": init, "pre_opt": marks.get("pre_opt", init), "model": marks.get("model", init), "held": held,
+              "base_rss": base_rss}
     if step:
         data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
         engine.train_step(data.global_batch(0, engine.layout.global_batch))
@@ -232,7 +255,7 @@ def main(argv=None) -> int:
         w = worst(table[row], "init")
         print(f"  measured {row[0]:24s} {row[4]:10s} init {gb(w['init'])} GB (pre-opt {gb(w['pre_opt'])})",
               flush=True)
-    header = f"{'layout':24s} {'way':10s} {'init GB':>8s} {'pre-opt':>8s} {'/whole':>7s} {'/anchor':>8s}  " \
+    header = f"{'layout':24s} {'way':10s} {'init GB':>8s} {'model':>6s} {'/whole':>7s} {'/anchor':>8s}  " \
              "held after initialize (worst rank, GB): params grads opt-states other"
     print("\n" + header + "\n" + "-" * len(header))
     rows = [r for r in rows if r in table]
@@ -245,11 +268,11 @@ def main(argv=None) -> int:
         held = w["held"]
         held_s = " ".join(f"{gb(held.get(k, 0)):>5s}" for k in ("parameters", "gradients", "optimizer_states",
                                                                    "other"))
-        print(f"{layout:24s} {way:10s} {gb(w['init']):>8s} {gb(w['pre_opt']):>8s} {_ratio(w, whole):>7s} "
+        print(f"{layout:24s} {way:10s} {gb(w['init']):>8s} {gb(w['model']):>6s} {_ratio(w, whole):>7s} "
               f"{_ratio(w, anchor):>8s}  {held_s}")
         if way == "meta" and whole:
-            print(f"{'':24s} {'':10s} {'':8s} {'':8s} pre-opt/whole {w['pre_opt'] / whole['pre_opt']:.2f}"
-                  + (f", pre-opt/anchor {w['pre_opt'] / anchor['pre_opt']:.2f}" if anchor else ""))
+            print(f"{'':24s} {'':10s} model/whole {w['model'] / whole['model']:.2f}"
+                  + (f", model/anchor {w['model'] / anchor['model']:.2f}" if anchor else ""))
     if args.largest:
         print("\nlargest reference GPT that initialises and trains one step (4 ranks on this machine):")
         mem_total = _status_total()

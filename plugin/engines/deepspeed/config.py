@@ -29,14 +29,20 @@ def size_buckets(zero: dict, numels: list[int], dp: int) -> None:
     deepspeed block does not set them.
 
     The defaults (5e8-element buckets) allocate a 2 GB fp32 bucket per rank even for a tiny model: a bucket is
-    capped at the model's size. ZeRO-3 keeps parameters under 1e5 elements whole on every rank (no all-gather
+    capped at the model's size (ZeRO-3's reduce bucket at the rank's share of it, or the largest parameter).
+    ZeRO-3 keeps parameters under 1e5 elements whole on every rank (no all-gather
     for them); that is kept only as far as they cost at most 1% of a rank's parameter partition
     (:func:`persistence_threshold`), so a ZeRO-3 recipe shards what it says and the memory estimates hold.
     For models of real size both bounds leave DeepSpeed's defaults unchanged.
     """
     cap = max(1, sum(numels))
     if zero.get("stage") == 3:
-        wanted = {"reduce_bucket_size": min(5 * 10 ** 8, cap), "stage3_prefetch_bucket_size": min(5 * 10 ** 7, cap),
+        # ZeRO-3's bucket collects whole gradients before their reduce-scatter: capped at this rank's share (or the
+        # largest parameter), not the whole model, which would put one whole fp32 model per rank back (measured by
+        # bench/init_memory.py: 0.65 GB of a 162M model's 1/4 = 0.16 GB partition). A gradient larger than the
+        # bucket is reduced on its own (DeepSpeed's stage3 copies only what fits the contiguous buffer).
+        share = max(-(-cap // max(1, dp)), max(numels, default=1))
+        wanted = {"reduce_bucket_size": min(5 * 10 ** 8, share), "stage3_prefetch_bucket_size": min(5 * 10 ** 7, cap),
                   "stage3_param_persistence_threshold": persistence_threshold(numels, dp, 10 ** 5)}
     else:
         wanted = {"reduce_bucket_size": min(5 * 10 ** 8, cap), "allgather_bucket_size": min(5 * 10 ** 8, cap)}
@@ -52,8 +58,9 @@ ENGINE_ADJUSTED_KEYS = {
                  "hyperparameters (kept only where DeepSpeed's CPUAdam steps an offloaded Adam on CUDA)",
     "zero_force_ds_cpu_optimizer": "false where ZeRO-Offload steps torch's optimizer (DeepSpeed refuses it otherwise)",
     "steps_per_print": "2**31 - 1 unless the recipe's deepspeed block sets it: no DeepSpeed log line per step",
-    "zero_optimization.reduce_bucket_size": "capped at the parameters this rank holds (DeepSpeed's 5e8 default "
-                                            "allocates 2 GB even for a tiny model)",
+    "zero_optimization.reduce_bucket_size": "capped at the parameters this rank holds, at ZeRO-3 at its share "
+                                            "(or the largest parameter) (DeepSpeed's 5e8 default allocates 2 GB "
+                                            "even for a tiny model)",
     "zero_optimization.allgather_bucket_size": "capped likewise (ZeRO-1/2)",
     "zero_optimization.stage3_prefetch_bucket_size": "capped likewise (ZeRO-3)",
     "zero_optimization.stage3_param_persistence_threshold": "lowered until parameters kept whole cost at most 1% of "
