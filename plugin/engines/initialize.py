@@ -90,9 +90,14 @@ def _weights_source(weights, units, model):
     return source
 
 
-def _seed(seed: int | None) -> int:
+def _seed(seed: int | None, weights) -> int:
+    """The init seed every rank must share. With saved ``weights`` the files give every parameter and the seed only
+    fills what they do not hold (non-persistent buffers): 0 then, so that a caller who never seeded (torchrun
+    gives each process its own ``torch.initial_seed()``) is not refused by the ranks' seed check."""
     import torch
 
+    if seed is None and weights is not None:
+        return 0
     return int(torch.initial_seed() if seed is None else seed)
 
 
@@ -149,7 +154,8 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
     Or an ``nn.Module`` built whole, with the same seed, on every rank (the plugin shards it, values kept). For
     pipelines an ordered list of layers, an ``nn.Sequential`` or a model with ``to_layers()``. A list or
     tuple is wrapped in an ``nn.Sequential`` first (:func:`as_module`), whatever the layout and back end.
-    ``seed``: the init seed of meta tensors (default ``torch.initial_seed()``; the same on every rank).
+    ``seed``: the init seed of meta tensors (default ``torch.initial_seed()``, or 0 with ``weights``; the same on
+    every rank, checked).
     ``loss_fn(output, labels)``: defaults to next-token cross entropy, vocab-parallel when the head is sharded.
     ``world_size``: the world the caller expects; it must equal the launcher's WORLD_SIZE.
     ``backend``: "deepspeed", "accelerate" or "native" to override :func:`choose_backend`.
@@ -205,7 +211,7 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
         raise PluginError(f'unknown backend {backend!r} -> use "deepspeed", "accelerate" or "native"')
     engine = build(BuildContext(model=model, recipe=recipe, layout=layout, env=env, device=device,
                                 layers_of=layers_of, apply_tp=apply_tp, loss_for=loss_for,
-                                seed=_seed(seed), units=tuple(units), weights=source))
+                                seed=_seed(seed, weights), units=tuple(units), weights=source))
     _check_nothing_left_on_meta(engine)
     engine.model_index, engine.tp_layouts, engine.whole_model = index, tp_layouts, model
     from ..models.hf_stages import is_hf_model
