@@ -119,7 +119,7 @@ def check_checkpointable(engine) -> None:
     """Refuse what this format cannot hold yet rather than resume wrong: DeepSpeed's fp16 at ZeRO-0
     (FP16_Optimizer's fp32 masters have no ``_hp_mapping``: a resume would restart from them). fp16 at ZeRO 1-3
     is held: the fp32 partitions as for bf16, the loss scaler through :class:`LossScale`."""
-    if engine.recipe.precision == "fp16" and _zero(engine) == 0:
+    if engine.recipe.precision == "fp16" and int(engine.recipe.zero.stage or 0) == 0:
         from ...checkpoint.dcp_io import CheckpointError
 
         raise CheckpointError("the DeepSpeed back end cannot checkpoint fp16 training at ZeRO-0 yet "
