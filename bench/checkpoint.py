@@ -16,7 +16,8 @@ Then, in fresh processes: ``python -m plugin checkpoint export`` of the plugin's
 (``ru_maxrss`` of the child) minus the peak of a child that only imports torch (the baseline).
 
 Usage: python bench/checkpoint.py [--hidden 1536] [--layers 9] [--vocab 16384] [--zero 3] [--repeat 3]
-(about 5 minutes here at the defaults, 8-10 GB of memory; --hidden 1024 --layers 8 --vocab 8192: 0.44 GiB)
+(about 6 minutes here at the defaults and 5.5 GB of memory per rank, 11 GB in all: on a shared 23 GB machine
+another job can get it OOM-killed; --hidden 1024 --layers 8 --vocab 8192: 0.44 GiB, about 2 GB per rank)
 """
 from __future__ import annotations
 
