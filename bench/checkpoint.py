@@ -3,7 +3,8 @@
 One DeepSpeed ZeRO engine (default ZeRO-3, 2 CPU processes, gloo) of the reference GPT (default 1.14 GiB of fp32
 weights: the export goal is for a model of at least 1 GB), one optimizer step so Adam's moments exist; then on that
 state, --repeat rounds of the six operations in turn (so the machine's load drifts alike over all three; medians,
-barriers around each):
+barriers around each, and an untimed ``os.sync()`` before each: without it the next operation after DeepSpeed's
+save, which does not fsync, paid for writing DeepSpeed's files back, 2-3x on the plugin's save here):
 
 * plugin: ``engine.save`` / ``engine.load`` (pieces, a checksum of every item taken while it is written and checked
   while it is read, manifest, rename after every rank finished; DCP with sync_files: every file fsynced);
@@ -55,6 +56,8 @@ def _timed_rounds(ops: dict, repeat: int) -> dict:
     times = {name: [] for name in ops}
     for _ in range(repeat):
         for name, fn in ops.items():
+            dist.barrier()
+            os.sync()  # untimed: no operation pays for the write-back of an earlier one's unsynced files
             dist.barrier()
             t = time.perf_counter()
             fn()
