@@ -3,7 +3,8 @@
 One DeepSpeed ZeRO engine (default ZeRO-3, 2 CPU processes, gloo) of the reference GPT (default 1.14 GiB of fp32
 weights: the export goal is for a model of at least 1 GB), one optimizer step so Adam's moments exist; then on that
 state, --repeat rounds of the six operations in turn (so the machine's load drifts alike over all three; medians,
-barriers around each):
+barriers around each, and an untimed ``os.sync()`` before each: without it the next operation after DeepSpeed's
+save, which does not fsync, paid for writing DeepSpeed's files back, 2-3x on the plugin's save here):
 
 * plugin: ``engine.save`` / ``engine.load`` (pieces, a checksum of every item taken while it is written and checked
   while it is read, manifest, rename after every rank finished; DCP with sync_files: every file fsynced);
@@ -16,7 +17,8 @@ Then, in fresh processes: ``python -m plugin checkpoint export`` of the plugin's
 (``ru_maxrss`` of the child) minus the peak of a child that only imports torch (the baseline).
 
 Usage: python bench/checkpoint.py [--hidden 1536] [--layers 9] [--vocab 16384] [--zero 3] [--repeat 3]
-(about 5 minutes here at the defaults, 8-10 GB of memory; --hidden 1024 --layers 8 --vocab 8192: 0.44 GiB)
+(about 6 minutes here at the defaults and 5.5 GB of memory per rank, 11 GB in all: on a shared 23 GB machine
+another job can get it OOM-killed; --hidden 1024 --layers 8 --vocab 8192: 0.44 GiB, about 2 GB per rank)
 """
 from __future__ import annotations
 
@@ -54,6 +56,8 @@ def _timed_rounds(ops: dict, repeat: int) -> dict:
     times = {name: [] for name in ops}
     for _ in range(repeat):
         for name, fn in ops.items():
+            dist.barrier()
+            os.sync()  # untimed: no operation pays for the write-back of an earlier one's unsynced files
             dist.barrier()
             t = time.perf_counter()
             fn()

@@ -115,7 +115,16 @@ def local_state(engine, *, for_load: bool, manifest: dict | None = None) -> Loca
         pieces = custom(name, p, shape, None) if custom else \
             pieces_of(p, shape, layouts.get(name, TensorLayout()), tp_rank, tp_size)
         entries[name] = Entry(shape, dtype if custom is None else torch.float32, pieces)
-    optimizer = engine.local_optimizer()
+    # a checkpoint saved before the optimizer ever stepped (fp16 whose first steps all overflowed) holds no states:
+    # the loading optimizer then starts fresh too, rather than keep its own or a materialised step count
+    fresh = for_load and manifest is not None and not any(t["role"] == "optim" for t in manifest["tensors"].values())
+    if fresh:
+        clear = getattr(engine, "clear_optimizer_state", None)
+        if clear is not None:
+            clear()
+        elif engine.local_optimizer() is not None:
+            engine.local_optimizer().state.clear()
+    optimizer = None if fresh else engine.local_optimizer()
     if optimizer is not None:
         if for_load:
             materialise_optimizer_state(optimizer)
@@ -137,7 +146,7 @@ def local_state(engine, *, for_load: bool, manifest: dict | None = None) -> Loca
                         pieces = custom(name, v, shape, key) if custom else \
                             pieces_of(v, shape, layouts.get(name, TensorLayout()), tp_rank, tp_size)
                         entries[full] = Entry(shape, v.dtype, pieces, "optim", name, key)
-    extra = getattr(engine, "checkpoint_extra", None)
+    extra = None if fresh else getattr(engine, "checkpoint_extra", None)
     if extra is not None:
         more, more_after = extra(params, for_load)
         entries.update(more)
@@ -208,11 +217,14 @@ def load(engine, directory: str) -> dict:
         optimizer.zero_grad(set_to_none=True)
     if getattr(engine, "after_load", None):
         engine.after_load(manifest)
+    engine.step_count = int(manifest["step"])  # before the scaler, which may need it (DeepSpeed's skipped steps)
     scalars = manifest.get("scalars", {})
     scaler = getattr(engine, "scaler", None)
-    if scaler is not None and scalars.get("scaler") and hasattr(scaler, "load_state_dict"):
+    # DeepSpeed's loss scaler and torch's GradScaler (native, Accelerate) keep different states: across them the
+    # scaler starts again from the recipe's initial scale
+    same_kind = ((manifest.get("written_by") or {}).get("backend") == "deepspeed") == (engine.backend == "deepspeed")
+    if scaler is not None and scalars.get("scaler") and same_kind and hasattr(scaler, "load_state_dict"):
         scaler.load_state_dict(scalars["scaler"])
-    engine.step_count = int(manifest["step"])
     return {"step": engine.step_count, **scalars.get("client_state", {})}
 
 

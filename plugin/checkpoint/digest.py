@@ -8,19 +8,13 @@ written without ``tell()``, like ``.metadata``, one digest for the whole). A loa
 reads, item by item, before ``torch.load`` sees them: a flipped bit in anything a rank reads is named, and nothing
 is read twice.
 
-The same streams start the kernel's write-back of every 32 MiB as soon as it is written (Linux
-``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not wait), so DCP's ``fsync`` at the end of the file finds
-most of it on disk already instead of writing it all then: the save stays durable, the fsync no longer doubles it.
-
 The hash is xxHash's XXH3-64 when the ``xxhash`` package is importable (about 3.5 GB/s here, against zlib's crc32
 at 0.6 GB/s, which would add a third to a save), else crc32; the manifest records which.
 """
 from __future__ import annotations
 
-import ctypes
 import io
 import os
-import sys
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,23 +29,6 @@ except ImportError:  # pragma: no cover - the data extra brings it (datasets req
     xxhash = None
 
 ALGORITHMS = ("xxh3_64", "crc32")
-WRITEBACK_EVERY = 32 << 20
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _sync_file_range():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_start_writeback = _sync_file_range()
 
 
 def default_algorithm() -> str:
@@ -94,7 +71,7 @@ class _SummingStream(io.RawIOBase):
 
     def __init__(self, raw, algorithm: str, record: list):
         self._raw, self._algorithm, self._record = raw, algorithm, record
-        self._start = self._pos = self._flushed = 0
+        self._start = self._pos = 0
         self._h = Hasher(algorithm)
 
     def writable(self) -> bool:
@@ -105,10 +82,6 @@ class _SummingStream(io.RawIOBase):
         self._h.update(view)
         n = self._raw.write(view)
         self._pos += n
-        if _start_writeback is not None and self._pos - self._flushed >= WRITEBACK_EVERY:
-            self._raw.flush()
-            _start_writeback(self._raw.fileno(), self._flushed, self._pos - self._flushed, _SYNC_FILE_RANGE_WRITE)
-            self._flushed = self._pos
         return n
 
     def _cut(self) -> None:

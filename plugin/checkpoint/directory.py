@@ -9,6 +9,8 @@ import json
 import os
 import re
 import shutil
+import threading
+import uuid
 from pathlib import Path
 
 from ..errors import PluginError
@@ -16,6 +18,8 @@ from ..errors import PluginError
 MANIFEST = "plugin-checkpoint.json"
 LATEST = "latest"
 _STEP = re.compile(r"^step-(\d{8,})$")
+_DROPPED = ".dropped-"
+_deleting: list[threading.Thread] = []  # the background deletions of this process (:func:`_remove`)
 
 
 def step_name(step: int) -> str:
@@ -84,9 +88,25 @@ def resolve(directory: str | Path) -> Path:
 
 
 def _remove(step_dir: Path) -> None:
-    """The manifest first, so a directory half deleted by a crash is simply incomplete."""
-    (step_dir / MANIFEST).unlink(missing_ok=True)
-    shutil.rmtree(step_dir, ignore_errors=True)
+    """Out of sight at once, deleted in the background: a rename to ``step-N.dropped-<id>`` (no longer a step, so
+    nothing resumes from it or counts it), then a thread deletes it. Deleting a checkpoint's files takes as long as
+    writing part of a new one (the kernel frees every page and block); the save need not wait for it. The thread is
+    not a daemon, so the interpreter finishes it before it exits; what a crash leaves is deleted by the next save's
+    :func:`prune`."""
+    gone = step_dir.with_name(f"{step_dir.name}{_DROPPED}{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(step_dir, gone)
+    except OSError:
+        return
+    t = threading.Thread(target=shutil.rmtree, args=(gone,), kwargs={"ignore_errors": True}, name=gone.name)
+    _deleting.append(t)
+    t.start()
+
+
+def settle() -> None:
+    """Wait until every checkpoint this process dropped is deleted (tests that list a directory call it)."""
+    while _deleting:
+        _deleting.pop().join()
 
 
 def drop_later_steps(root: Path, step: int) -> list[str]:
@@ -109,10 +129,13 @@ def drop_later_steps(root: Path, step: int) -> list[str]:
 
 def prune(root: Path, keep: int | None, just_written: Path) -> None:
     """Delete every ``*.partial`` directory (saves are synchronous: none is in progress) and, with ``keep``, the
-    oldest complete steps beyond the ``keep`` newest, never ``just_written``. The manifest goes first, so a
-    directory half deleted by a crash is simply incomplete."""
+    oldest complete steps beyond the ``keep`` newest, never ``just_written`` (renamed out of sight, then deleted in
+    the background: :func:`_remove`); and what a crash left of earlier background deletions."""
     for d in root.iterdir():
         if d.is_dir() and d.name.endswith(".partial") and _STEP.match(d.name[: -len(".partial")]):
+            shutil.rmtree(d, ignore_errors=True)
+        elif (d.is_dir() and _DROPPED in d.name and _STEP.match(d.name.split(_DROPPED)[0])
+              and not any(t.name == d.name and t.is_alive() for t in _deleting)):  # a crash's leftovers
             shutil.rmtree(d, ignore_errors=True)
     if keep is None:
         return

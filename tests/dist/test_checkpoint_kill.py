@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -48,8 +49,8 @@ def _ranks(pid: int) -> dict[int, int]:
 def _complete(ckpt: Path) -> list[int]:
     if not ckpt.exists():
         return []
-    return sorted(int(p.name.split("-")[1]) for p in ckpt.iterdir()
-                  if p.name.startswith("step-") and not p.name.endswith(".partial") and (p / ".metadata").exists())
+    return sorted(int(p.name[5:]) for p in ckpt.iterdir()
+                  if re.fullmatch(r"step-\d{8}", p.name) and (p / ".metadata").exists())
 
 
 def _losses(metrics: Path) -> dict[int, float]:

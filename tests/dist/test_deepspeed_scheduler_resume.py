@@ -1,8 +1,9 @@
 """A raw ``deepspeed`` block's LR scheduler across a checkpoint: DeepSpeed's schedulers set the optimizer's lr in
 ``step()``, not in ``load_state_dict()``, so a resume that only restored the step would train its next steps at the
 initial lr and exit 0. One plain process (a world of one), three engines: 6 steps uninterrupted, then 3 + save,
-then load + 3: the resumed losses equal the uninterrupted ones exactly. And fp16, whose loss scale the format does
-not hold yet, is refused by name at save rather than resumed wrong."""
+then load + 3: the resumed losses equal the uninterrupted ones exactly. And fp16 at ZeRO-0, whose FP16_Optimizer
+masters the format does not hold yet, is refused by name at save rather than resumed wrong (ZeRO 1-3 fp16:
+test_checkpoint_fp16.py)."""
 import json
 import subprocess
 import sys

@@ -142,6 +142,11 @@ class DeepSpeedEngine(Engine):
         state.check_checkpointable(self)
         return adapt.load(self, directory)
 
+    @property
+    def scaler(self):
+        """fp16's loss scaler as checkpoint state (:class:`.state.LossScale`), None otherwise."""
+        return state.loss_scale(self)
+
     def named_local_params(self) -> dict:
         return state.named_local_params(self)
 
@@ -150,6 +155,9 @@ class DeepSpeedEngine(Engine):
 
     def checkpoint_pieces(self, name, p, global_shape, key):
         return state.checkpoint_pieces(self, name, p, global_shape, key)
+
+    def clear_optimizer_state(self):
+        state.clear_optimizer_state(self)
 
     def checkpoint_extra(self, params, for_load):
         return state.extra_entries(self, params, for_load)

@@ -108,15 +108,63 @@ def extra_entries(engine, params: dict, for_load: bool):
     return entries, []
 
 
+def clear_optimizer_state(engine) -> None:
+    """Every Adam state dropped (the next step starts them as a fresh optimizer does): loading a checkpoint saved
+    before any optimizer step."""
+    opt = local_optimizer(engine)
+    (opt if opt is not None else _base(engine)).state.clear()
+
+
 def check_checkpointable(engine) -> None:
-    """Refuse what this format cannot hold yet rather than resume wrong: DeepSpeed's fp16 (its loss scale, and at
-    ZeRO-0 FP16_Optimizer's fp32 masters, which have no ``_hp_mapping``: a resume would restart from them)."""
-    if engine.recipe.precision == "fp16":
+    """Refuse what this format cannot hold yet rather than resume wrong: DeepSpeed's fp16 at ZeRO-0
+    (FP16_Optimizer's fp32 masters have no ``_hp_mapping``: a resume would restart from them). fp16 at ZeRO 1-3
+    is held: the fp32 partitions as for bf16, the loss scaler through :class:`LossScale`."""
+    if engine.recipe.precision == "fp16" and int(engine.recipe.zero.stage or 0) == 0:
         from ...checkpoint.dcp_io import CheckpointError
 
-        raise CheckpointError("the DeepSpeed back end cannot checkpoint fp16 training yet (its dynamic loss scale and "
-                              "FP16_Optimizer's fp32 master weights are not in the plugin's format) -> use "
-                              '"precision": "bf16", or the native back end, whose fp16 scaler is saved')
+        raise CheckpointError("the DeepSpeed back end cannot checkpoint fp16 training at ZeRO-0 yet "
+                              "(FP16_Optimizer's fp32 master weights are not in the plugin's format) -> use ZeRO "
+                              'stage 1, 2 or 3 ("zero": {"stage": 1}), "precision": "bf16", or the native back end')
+
+
+class LossScale:
+    """DeepSpeed's fp16 loss scaler (ZeRO 1-3) as the manifest's JSON: its moving parts (the scale, the iteration
+    counters, the hysteresis left; the window, factor and bounds come from the recipe) and the steps DeepSpeed
+    skipped on overflow, which its LR scheduler did not count. Without it a resumed run starts again from the
+    initial scale and overflows, skipping steps the uninterrupted run took (exit 0)."""
+
+    KEYS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def _scaler(self):
+        return self.engine.ds.optimizer.loss_scaler
+
+    def state_dict(self) -> dict:
+        s = self._scaler()
+        out = {k: (float(v) if k == "cur_scale" else int(v)) for k in self.KEYS
+               if (v := getattr(s, k, None)) is not None}
+        return {**out, "dynamic": bool(getattr(s, "dynamic", False)),
+                "skipped_steps": int(self.engine.ds.skipped_steps)}
+
+    def load_state_dict(self, state: dict) -> None:
+        s = self._scaler()
+        for k in self.KEYS:
+            if k in state and hasattr(s, k):
+                setattr(s, k, state[k])
+        ds = self.engine.ds
+        ds.skipped_steps = int(state.get("skipped_steps", 0))
+        applied = self.engine.step_count - ds.skipped_steps
+        if ds.lr_scheduler is not None:  # it stepped on applied steps only (after_load assumed all were)
+            ds.lr_scheduler.step(applied - 1)
+
+
+def loss_scale(engine):
+    """:class:`LossScale` of an fp16 engine (ZeRO 1-3), else None."""
+    if engine.recipe.precision == "fp16" and getattr(getattr(engine.ds, "optimizer", None), "loss_scaler", None):
+        return LossScale(engine)
+    return None
 
 
 def before_load(engine):
