@@ -8,8 +8,8 @@ written without ``tell()``, like ``.metadata``, one digest for the whole). A loa
 reads, item by item, before ``torch.load`` sees them: a flipped bit in anything a rank reads is named, and nothing
 is read twice.
 
-The hash is xxHash's XXH3-64 when the ``xxhash`` package is importable (about 3.5 GB/s here, against zlib's crc32
-at 0.6 GB/s, which would add a third to a save), else crc32; the manifest records which.
+The hash is xxHash's XXH3-64 (``xxhash`` is one of the plugin's dependencies; about 3.5 GB/s here, against zlib's
+crc32 at 0.6 GB/s, which would add a third to a save), crc32 where it cannot be imported; the manifest records which.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from ..errors import PluginError
 
 try:
     import xxhash
-except ImportError:  # pragma: no cover - the data extra brings it (datasets requires it)
+except ImportError:  # pragma: no cover - a dependency of the plugin; crc32 where it is missing
     xxhash = None
 
 ALGORITHMS = ("xxh3_64", "crc32")
