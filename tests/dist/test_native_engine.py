@@ -24,6 +24,7 @@ Each rank computes the single-process reference itself: the same GPT, AdamW grou
 import pytest
 import torch
 
+from .reference import gpt_reference
 from .spawn import run
 
 pytestmark = [pytest.mark.dist, pytest.mark.native]
@@ -58,28 +59,7 @@ def _recipe(base, blocks, precision="fp32"):
 
 def _reference(recipe):
     """(losses, first-step gradient norm) of one process on the whole global batch."""
-    from plugin.data.text import TextBatches
-    from plugin.models.gpt import GPT, GPTConfig, gpt_loss
-    from plugin.engines.optim import build_optimizer
-
-    lay = recipe.layout()
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.from_recipe_model(recipe.model))
-    opt = build_optimizer(model.parameters(), recipe.optimizer)
-    data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
-    losses, norms = [], []
-    for step in range(STEPS):
-        x, y = data.global_batch(step, lay.global_batch)
-        parts = list(zip(x.chunk(lay.grad_accum * lay.data), y.chunk(lay.grad_accum * lay.data)))  # micro-batches
-        total = 0.0
-        for xs, ys in parts:
-            loss = gpt_loss(model(xs), ys)
-            (loss / len(parts)).backward()
-            total += float(loss) / len(parts)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.gradient_clipping)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
+    losses, norms = gpt_reference(recipe, STEPS)
     return losses, norms[0]
 
 

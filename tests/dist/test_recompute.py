@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from .needs import need
+from .reference import gpt_reference
 from .spawn import run
 
 pytestmark = [pytest.mark.dist]
@@ -104,29 +105,7 @@ def _train(recipe, backend, hf=False):
 
 def _reference(recipe):
     """One process, the whole global batch, no recompute: the losses every layout must train."""
-    from plugin.data.text import TextBatches
-    from plugin.engines.optim import build_optimizer
-    from plugin.models.gpt import GPT, GPTConfig, gpt_loss
-
-    lay = recipe.layout()
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.from_recipe_model(recipe.model))
-    opt = build_optimizer(model.parameters(), recipe.optimizer)
-    data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
-    losses = []
-    for step in range(STEPS):
-        x, y = data.global_batch(step, lay.global_batch)
-        parts = list(zip(x.chunk(lay.grad_accum * lay.data), y.chunk(lay.grad_accum * lay.data)))
-        total = 0.0
-        for xs, ys in parts:
-            loss = gpt_loss(model(xs), ys)
-            (loss / len(parts)).backward()
-            total += float(loss) / len(parts)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.gradient_clipping)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses
+    return gpt_reference(recipe, STEPS)[0]
 
 
 def _run_all(rank, world_size, backend):

@@ -1,0 +1,33 @@
+"""The one-process run every in-process layout test compares with: the reference GPT on the whole global batch."""
+from __future__ import annotations
+
+
+def gpt_reference(recipe, steps: int) -> tuple[list[float], list[float]]:
+    """(per-step losses, per-step gradient norms before clipping) of the reference GPT (seed 0) trained on one
+    process with the recipe's optimizer and clipping, each global batch cut into the layout's data x grad_accum
+    micro-batches as the engines cut it (the loss is their mean, as the engines report it)."""
+    import torch
+
+    from plugin.data.text import TextBatches
+    from plugin.engines.optim import build_optimizer
+    from plugin.models.gpt import GPT, GPTConfig, gpt_loss
+
+    lay = recipe.layout()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_recipe_model(recipe.model))
+    opt = build_optimizer(model.parameters(), recipe.optimizer)
+    data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
+    losses, norms = [], []
+    for step in range(steps):
+        x, y = data.global_batch(step, lay.global_batch)
+        parts = list(zip(x.chunk(lay.grad_accum * lay.data), y.chunk(lay.grad_accum * lay.data)))  # micro-batches
+        total = 0.0
+        for xs, ys in parts:
+            loss = gpt_loss(model(xs), ys)
+            (loss / len(parts)).backward()
+            total += float(loss) / len(parts)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.gradient_clipping)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, norms
