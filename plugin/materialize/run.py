@@ -43,7 +43,8 @@ def materialize(model: nn.Module, units: list[Unit], seed: int, device: torch.de
     all), unit by unit; returns the number of units made. ``cuts``: ``{module name: dense module -> this rank's
     tensor-parallel module}`` for the modules a plan swapped (the plan's own cut, re-run on the whole values).
     ``sink``: how a whole (or cut) tensor becomes this rank's (default: swapped in as it is). ``source``: where the
-    values come from after the init call (:class:`.weights.SafetensorsWeights`: the part the cut keeps, from files)."""
+    values come from after the init call (:class:`.weights.SafetensorsWeights`: the part the cut keeps, from files;
+    for a sink that shards, its own piece, read by the sink after sharding: :func:`_read_by_sink`)."""
     sink = sink or PlainSink(model)
     cuts = cuts or {}
     work = []

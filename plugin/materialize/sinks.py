@@ -10,6 +10,12 @@
 * :class:`Zero3Sink`: the whole tensors swapped in (cast to the engine's dtype: DeepSpeed does not cast a model
   it finds partitioned), then partitioned at once over the data group: ``deepspeed.zero.Init(module=...)`` for the
   first unit, ``convert_to_zero_parameters`` for the others (DeepSpeed's own route for late parameters).
+
+With a weights source (``materialize(source=...)``), a sharding sink reads the files itself: ``takes_piece`` says
+which tensors it shards (their whole values from the files are skipped), and after the unit is sharded
+``read_piece(live, kind, key, read)`` overwrites this rank's shard with ``read(box=...)`` (FSDP2) or
+``read(flat=...)`` (ZeRO-3), the files' values of exactly that piece. :class:`PlainSink` has neither: it takes the
+whole (or cut) tensors.
 """
 from __future__ import annotations
 

@@ -15,8 +15,10 @@ tensor-parallel plan cuts the unit, the part the cut keeps is found by running t
 of the tensor coded by its flat index + 1, in float64: exact below 2**53 elements) and read as one box of the tensor
 (``safe_open(...).get_slice(...)``), or as runs of rows when the kept part is not one box (a fused QKV column cut
 keeps three blocks of rows); the rest of the dense twin stays as the init left it, and the cut drops it. A unit
-without a cut (replicated, or no tensor parallelism) reads its tensors whole. Sinks that shard afterwards (FSDP2,
-DeepSpeed ZeRO-3) get whole tensors: there each rank reads the whole of its units, one unit at a time.
+without a cut (replicated, or no tensor parallelism) reads its tensors whole, unless the sink shards it (FSDP2,
+DeepSpeed ZeRO-3): then ``fill`` skips those tensors and the sink, once it has sharded the unit, asks
+:meth:`SafetensorsWeights.read` for its piece only (FSDP2: a box of rows; ZeRO-3: a flat range, read as the rows that
+cover it, then cut).
 :attr:`SafetensorsWeights.bytes_read` counts the bytes this rank asked the files for.
 """
 from __future__ import annotations
