@@ -12,6 +12,7 @@ eager init (seed 0), not from the plugin's per-unit init, so a unit left at its 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,7 +89,7 @@ def differ_from_files(module, weights: str, backend: str) -> list[str]:
     from safetensors.torch import load_file
 
     files = {}
-    for f in sorted(__import__("pathlib").Path(weights).glob("*.safetensors")):
+    for f in sorted(Path(weights).glob("*.safetensors")):
         files.update(load_file(str(f)))
     differ = []
     for name, p in module.named_parameters():
