@@ -43,7 +43,8 @@ def materialize(model: nn.Module, units: list[Unit], seed: int, device: torch.de
     all), unit by unit; returns the number of units made. ``cuts``: ``{module name: dense module -> this rank's
     tensor-parallel module}`` for the modules a plan swapped (the plan's own cut, re-run on the whole values).
     ``sink``: how a whole (or cut) tensor becomes this rank's (default: swapped in as it is). ``source``: where the
-    values come from after the init call (:class:`.weights.SafetensorsWeights`: the part the cut keeps, from files)."""
+    values come from after the init call (:class:`.weights.SafetensorsWeights`: the part the cut keeps, from files;
+    for a sink that shards, its own piece, read by the sink after sharding: :func:`_read_by_sink`)."""
     sink = sink or PlainSink(model)
     cuts = cuts or {}
     work = []
@@ -58,18 +59,37 @@ def materialize(model: nn.Module, units: list[Unit], seed: int, device: torch.de
         dense = twin(unit, device)
         with seeded(unit_seed(seed, unit.name), device), torch.no_grad():
             unit.init(unit.name, dense)
+        live = _live(model, unit.name)
+        late = _read_by_sink(sink, source, unit, live, keys, unit.name in cuts)
         if source is not None:
-            source.fill(unit, dense, cuts.get(unit.name))
+            source.fill(unit, dense, cuts.get(unit.name), skip=late)
         check_written(unit, dense)
         piece = cuts[unit.name](dense) if unit.name in cuts else dense
-        live = _live(model, unit.name)
+        dtypes = {(kind, key): _table(dense, kind)[key].dtype for kind, key in late}
         put = []
         for kind, key in keys:  # no name left holding a whole tensor: the next unit's twin must find it freed
             put.append(sink.put(live, kind, key, _table(piece, kind)[key].detach()))
         sink.finish_unit(live, [p for p in put if p is not None])
         del dense, piece
+        for kind, key in late:  # through the twin's dtype, as the whole path goes: the same values
+            sink.read_piece(live, kind, key, _reader(source, unit, key, dtypes[kind, key]))
     sink.close()
     return len(work)
+
+
+def _read_by_sink(sink, source, unit, live, keys, cut: bool) -> set:
+    """The ``(kind, key)`` pairs whose values the sink reads from ``source`` itself after sharding, each rank only
+    its piece (``sink.takes_piece``: FSDP2's rows, ZeRO-3's flat range); their twins keep the init until the sink
+    overwrites its piece. Not for a unit with a tensor-parallel cut: the source reads the part the cut keeps."""
+    takes = getattr(sink, "takes_piece", None)
+    if source is None or cut or takes is None:
+        return set()
+    return {(kind, key) for kind, key in keys if source.holds(unit, key) and takes(live, kind, key)}
+
+
+def _reader(source, unit, key: str, dtype: torch.dtype):
+    """``read(box=... | flat=...)``: that piece of ``unit``'s tensor ``key`` from ``source``, cast to ``dtype``."""
+    return lambda **where: source.read(unit, key, **where).to(dtype)
 
 
 def _keys(module):

@@ -10,6 +10,12 @@
 * :class:`Zero3Sink`: the whole tensors swapped in (cast to the engine's dtype: DeepSpeed does not cast a model
   it finds partitioned), then partitioned at once over the data group: ``deepspeed.zero.Init(module=...)`` for the
   first unit, ``convert_to_zero_parameters`` for the others (DeepSpeed's own route for late parameters).
+
+With a weights source (``materialize(source=...)``), a sharding sink reads the files itself: ``takes_piece`` says
+which tensors it shards (their whole values from the files are skipped), and after the unit is sharded
+``read_piece(live, kind, key, read)`` overwrites this rank's shard with ``read(box=...)`` (FSDP2) or
+``read(flat=...)`` (ZeRO-3), the files' values of exactly that piece. :class:`PlainSink` has neither: it takes the
+whole (or cut) tensors.
 """
 from __future__ import annotations
 
@@ -84,6 +90,27 @@ class FSDP2Sink:
                 target.copy_(value)
         return None
 
+    def takes_piece(self, live: nn.Module, kind: str, key: str) -> bool:
+        """A DTensor placed by plain ``Shard``/``Replicate`` only (FSDP2's dim-0 chunks, HSDP): its local part is
+        one box of the whole tensor. Not a ``_StridedShard`` (FSDP2 over a tensor-parallel DTensor)."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        target = (live._parameters if kind == "param" else live._buffers)[key]
+        return isinstance(target, DTensor) and all(type(p) in (Shard, Replicate) for p in target.placements)
+
+    def read_piece(self, live: nn.Module, kind: str, key: str, read) -> None:
+        """Overwrite this rank's local shard with the box of the whole tensor it holds, ``read(box=...)``: the
+        rows of torch.chunk's dim-0 split, as ``distribute_tensor`` would cut them (DTensor's own offsets)."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        target = (live._parameters if kind == "param" else live._buffers)[key]
+        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        local = target.to_local()
+        assert tuple(local.shape) == tuple(shape), (key, tuple(local.shape), shape)
+        if local.numel():
+            with torch.no_grad():
+                local.copy_(read(box=tuple((o, o + n) for o, n in zip(offset, shape, strict=True))))
+
     def finish_unit(self, live: nn.Module, params: list) -> None:
         pass
 
@@ -112,3 +139,26 @@ class Zero3Sink(PlainSink):
             self.first = params[0]
         else:
             self.first.convert_to_zero_parameters(param_list=params)
+
+    def takes_piece(self, live: nn.Module, kind: str, key: str) -> bool:
+        """A parameter (partitioned by :meth:`finish_unit`; a buffer stays whole), unless the partition is not
+        plain flat ranges of ``ds_tensor``: parameters offloaded to NVMe, ZeRO++'s secondary partition, quantized
+        weights. Those read whole, as before."""
+        z = self.ds_config.get("zero_optimization", {})
+        plain = ((z.get("offload_param") or {}).get("device") != "nvme" and (z.get("zero_hpz_partition_size") or 1) <= 1
+                 and not z.get("zero_quantized_weights") and not z.get("zero_quantized_nontrainable_weights"))
+        return kind == "param" and plain
+
+    def read_piece(self, live: nn.Module, kind: str, key: str, read) -> None:
+        """Overwrite this rank's partition ``ds_tensor`` with its flat range of the whole tensor, ``read(flat=...)``:
+        DeepSpeed's ``_partition_param`` gives rank r of the partition group the elements ``[r * n, (r + 1) * n)``
+        of the flattened tensor, ``n = ceil(numel / world)``, the last rank's tail padding (left as it is)."""
+        import torch.distributed as dist
+
+        param = live._parameters[key]
+        part = param.ds_tensor
+        start = part.ds_numel * dist.get_rank(group=param.ds_process_group)
+        stop = min(start + part.ds_numel, param.ds_numel)
+        if start < stop:
+            with torch.no_grad():
+                part.narrow(0, 0, stop - start).copy_(read(flat=(start, stop)))

@@ -15,8 +15,10 @@ tensor-parallel plan cuts the unit, the part the cut keeps is found by running t
 of the tensor coded by its flat index + 1, in float64: exact below 2**53 elements) and read as one box of the tensor
 (``safe_open(...).get_slice(...)``), or as runs of rows when the kept part is not one box (a fused QKV column cut
 keeps three blocks of rows); the rest of the dense twin stays as the init left it, and the cut drops it. A unit
-without a cut (replicated, or no tensor parallelism) reads its tensors whole. Sinks that shard afterwards (FSDP2,
-DeepSpeed ZeRO-3) get whole tensors: there each rank reads the whole of its units, one unit at a time.
+without a cut (replicated, or no tensor parallelism) reads its tensors whole, unless the sink shards it (FSDP2,
+DeepSpeed ZeRO-3): then ``fill`` skips those tensors and the sink, once it has sharded the unit, asks
+:meth:`SafetensorsWeights.read` for its piece only (FSDP2: a box of rows; ZeRO-3: a flat range, read as the rows that
+cover it, then cut).
 :attr:`SafetensorsWeights.bytes_read` counts the bytes this rank asked the files for.
 """
 from __future__ import annotations
@@ -83,14 +85,39 @@ class SafetensorsWeights:
                               f"{'; '.join(problems[:5])} -> build the model from the config.json saved with these "
                               "weights (the same architecture and sizes)")
 
+    def holds(self, unit, key: str) -> bool:
+        """Whether the files hold ``unit``'s tensor ``key`` (a non-persistent buffer is not there)."""
+        return _name(unit, key) in self.file_of
+
+    def read(self, unit, key: str, box=None, flat=None) -> torch.Tensor:
+        """``unit``'s tensor ``key`` from the files, in the files' dtype: whole; or ``box`` (per dimension
+        ``(start, stop)``), that box; or ``flat`` (``(start, stop)`` of the flattened tensor), those elements, read
+        as the rows that cover them (a 1-D tensor's rows are its elements) and then cut."""
+        sl = self._slice(_name(unit, key))
+        shape = tuple(sl.get_shape())
+        if flat is not None and shape:
+            row = 1
+            for n in shape[1:]:
+                row *= n
+            row = row or 1
+            first = min(flat[0] // row, shape[0])
+            last = first if flat[1] <= flat[0] else -(-flat[1] // row)
+            rows = sl[first:last]
+            self.bytes_read += rows.numel() * rows.element_size()
+            return rows.reshape(-1)[flat[0] - first * row:flat[1] - first * row]
+        value = sl[tuple(slice(a, b) for a, b in box)] if box is not None else sl[:]
+        self.bytes_read += value.numel() * value.element_size()
+        return value.reshape(-1)[flat[0]:flat[1]] if flat is not None else value
+
     @torch.no_grad()
-    def fill(self, unit, dense: torch.nn.Module, cut=None) -> None:
+    def fill(self, unit, dense: torch.nn.Module, cut=None, skip=()) -> None:
         """Overwrite ``dense``'s owned tensors that the files hold with their values: the part ``cut`` keeps, or
-        the whole tensor without a cut."""
+        the whole tensor without a cut. ``skip``: ``(kind, key)`` pairs left at their init (a sink reads their
+        pieces itself, :func:`plugin.materialize.run.materialize`)."""
         for kind, key in unit.owned:
-            name = f"{unit.name}.{key}" if unit.name else key
-            if name not in self.file_of:
-                continue  # a non-persistent buffer (checked: every parameter is there)
+            name = _name(unit, key)
+            if name not in self.file_of or (kind, key) in skip:
+                continue  # a non-persistent buffer (checked: every parameter is there), or read by the sink
             target = (dense._parameters if kind == "param" else dense._buffers)[key]
             for box in (_kept_boxes(dense, kind, key, cut) if cut is not None else [None]):
                 sl = self._slice(name)
@@ -101,6 +128,10 @@ class SafetensorsWeights:
                     value = sl[where]
                 self.bytes_read += value.numel() * value.element_size()
                 target[where].copy_(value.to(target.dtype))
+
+
+def _name(unit, key: str) -> str:
+    return f"{unit.name}.{key}" if unit.name else key
 
 
 def _kept_boxes(dense: torch.nn.Module, kind: str, key: str, cut) -> list[tuple[tuple[int, int], ...]]:

@@ -78,3 +78,26 @@ def test_a_unit_reads_what_the_cut_keeps(tmp_path):
     whole = twin(unit, torch.device("cpu"))
     source.fill(unit, whole)
     assert torch.equal(whole.weight, tensors["a.weight"]) and source.bytes_read == (2 * 4 + 2 + 6 * 4 + 6) * 4
+
+
+def test_a_sink_reads_its_piece_rows_or_a_flat_range(tmp_path):
+    """What FSDP2 (a box of rows) and ZeRO-3 (a flat range, read as the rows that cover it) ask the source for:
+    the files' values, and only the rows asked for counted; ``skip`` leaves a tensor at its init."""
+    from plugin.materialize.weights import SafetensorsWeights
+
+    tensors = _tensors()
+    source = SafetensorsWeights(_save(tmp_path / "w", tensors))
+    unit = next(u for u in _units() if u.name == "a")
+    assert source.holds(unit, "weight") and not source.holds(unit, "nothing")
+    rows = source.read(unit, "weight", box=((3, 6), (0, 4)))
+    assert torch.equal(rows, tensors["a.weight"][3:6]) and source.bytes_read == 3 * 4 * 4
+    flat = source.read(unit, "weight", flat=(5, 14))  # elements 5..13 of a 6 x 4 tensor: rows 1-3
+    assert torch.equal(flat, tensors["a.weight"].reshape(-1)[5:14]) and source.bytes_read == (12 + 12) * 4
+    assert torch.equal(source.read(unit, "bias", flat=(3, 6)), tensors["a.bias"][3:6])
+    assert source.bytes_read == (24 + 3) * 4
+    assert source.read(unit, "weight", flat=(8, 8)).numel() == 0 and source.bytes_read == 27 * 4
+    dense = twin(unit, torch.device("cpu"))
+    with torch.no_grad():
+        dense.weight.fill_(7.0)
+    source.fill(unit, dense, skip={("param", "weight")})
+    assert bool((dense.weight == 7.0).all()) and torch.equal(dense.bias, tensors["a.bias"])
