@@ -17,8 +17,10 @@ Layouts: ZeRO-3 dp4 on DeepSpeed (whole, meta, zero.Init), ZeRO-3 dp4 native FSD
 tp2 x pp2 native and DeepSpeed (whole, meta).
 
 What is measured, per process: the resident set's high-water mark (``VmHWM`` of /proc/self/status), reset to the
-current RSS (``echo 5 > /proc/self/clear_refs``) once torch, deepspeed and the plugin are imported and the process
-group exists; ``init`` = HWM after building + initialize minus the RSS at the reset. ``model``: the same HWM read
+current RSS (``echo 5 > /proc/self/clear_refs``) once torch, deepspeed and the plugin with its back ends' engine
+modules are imported (``plugin.initialize`` would load those inside the window: 0.05 GB of code and data for the
+native FSDP2 engine, the same for every way and not model memory) and the process group exists; ``init`` = HWM
+after building + initialize minus the RSS at the reset. ``model``: the same HWM read
 once the model's own tensors exist, before the engine allocates its own buffers (built whole; the plugin's
 materialisation returned; zero.Init's constructor returned; the torchtitan-style init done). ``pre-opt`` (JSON
 only): read when the first AdamW step starts; DeepSpeed 0.19.8's ZeRO-3 no longer steps at ``initialize`` (Adam's
@@ -165,8 +167,13 @@ def _child(rank: int, port: int, row: tuple, step: bool, dims: dict, out_dir: st
     import deepspeed  # noqa: F401  imported by every way, before the baseline
     import torch
     import torch.distributed as dist
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
 
     import plugin
+    import plugin.engines.deepspeed.engine  # noqa: F401  the back ends' code, loaded once before the baseline:
+    import plugin.engines.native.data_parallel  # noqa: F401  not model memory (0.05 GB of RSS, native's FSDP2)
+    import plugin.engines.native.pipeline  # noqa: F401
     from plugin.data.text import TextBatches
     from plugin.models.gpt import GPT, GPTConfig
 

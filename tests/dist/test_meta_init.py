@@ -10,6 +10,8 @@ For ZeRO-3 dp4 (native FSDP2, DeepSpeed, Accelerate's DeepSpeed plugin) and tp2 
 * the values equal the one-process eager init of the same seed: under ZeRO-3 every parameter gathered back
   (``full_tensor()``, ``GatheredParameters``) equals the eager GPT's; under tp2 x pp2 every local shard equals the
   eagerly built model's after the same layout's cut;
+* FSDP2's uneven dim-0 shards (padded, or empty past the last chunk) get the FSDP2 sink's own cut of the values:
+  FSDP2's all-gather (``unshard``) gives them back;
 * native ZeRO-3 wraps one FSDP2 unit per transformer block plus the root, for the reference GPT and for a
   transformers Llama built from a config (its ``_no_split_modules`` decoder layers);
 * ranks with different seeds are refused by a PluginError on every rank naming the ranks and their seeds.
@@ -117,6 +119,29 @@ def _check(rank, world_size):
                         "twin_max": max(twins.bytes), "equal": same, "units": units,
                         "held_max": twins.held_max}
 
+    # FSDP2's uneven dim-0 shards (the last ranks padded or empty) filled by the sink's own cut: FSDP2's all-gather
+    # of what the sink wrote gives the values back
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from plugin.materialize.sinks import FSDP2Sink
+
+    shapes = {"a": (5, 3), "b": (3,), "c": (2, 7), "d": (13, 4), "e": (8, 2)}
+    with torch.device("meta"):
+        odd = torch.nn.Module()
+        for k, shape in shapes.items():
+            odd.register_parameter(k, torch.nn.Parameter(torch.empty(shape)))
+    fully_shard(odd, mesh=init_device_mesh("cpu", (world_size,)))
+    sink = FSDP2Sink(odd, torch.device("cpu"))
+    sink.prepare()
+    values = {k: torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, (k, shape) in
+              enumerate(shapes.items())}
+    for k, v in values.items():
+        sink.put(odd, "param", k, v)
+    odd.unshard()
+    out["uneven_equal"] = {k: torch.equal(odd._parameters[k].detach(), v) for k, v in values.items()}
+    odd.reshard()
+
     # ZeRO-3 dp4, DeepSpeed
     twins.reset()
     engine = plugin.initialize(twins.builder(lambda: GPT(cfg)), z3, seed=SEED, backend="deepspeed")
@@ -195,6 +220,7 @@ def test_each_rank_materialises_its_part_with_the_one_process_values():
             assert 0 < z["held_max"] <= z["local"] + largest, (key, rank, z)
         for key in ("deepspeed_z3", "accelerate_z3"):  # no whole parameter kept besides the partitions
             assert r[key]["full_left"] == 0, (key, rank)
+        assert all(r["uneven_equal"].values()), (rank, r["uneven_equal"])
         assert sorted(r["native_z3"]["units"]) == sorted(["", *(f"blocks.{i}" for i in range(layers))]), rank
         for key in ("native_tp2_pp2", "deepspeed_tp2_pp2"):
             t = r[key]
