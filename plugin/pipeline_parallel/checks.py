@@ -30,17 +30,6 @@ def cut_layers(layers: Sequence[nn.Module], method: str, num_stages: int) -> lis
     return stage_bounds(method, [type(layer).__name__ for layer in layers], counts, num_stages)
 
 
-def shared_across_stages(layers: Sequence[nn.Module], bounds: Sequence[int]) -> list[str]:
-    """``"Layer (layer i).name"`` for each parameter held by a layer on a later stage than its first holder."""
-    owner: dict[int, int] = {}
-    clashes = []
-    for s in range(len(bounds) - 1):
-        for i in range(bounds[s], bounds[s + 1]):
-            for name, p in layers[i].named_parameters():
-                if owner.setdefault(id(p), s) != s:
-                    clashes.append(f"{type(layers[i]).__name__} (layer {i}).{name}")
-    return clashes
-
 
 @dataclass(frozen=True)
 class Tie:

@@ -88,13 +88,13 @@ def test_initialize_wraps_a_list_before_the_back_end_sees_it(launched_as):
 
 
 def test_shared_parameters_across_stages_are_named():
-    from plugin.pipeline_parallel.checks import cut_layers, shared_across_stages
+    from plugin.pipeline_parallel.checks import Tie, cut_layers, ties_across_stages
 
     embed, mid, head = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 8, bias=False)
     head.weight = embed.weight
     layers = [embed, mid, head]
-    assert shared_across_stages(layers, [0, 2, 3]) == ["Linear (layer 2).weight"]
-    assert shared_across_stages(layers, [0, 3]) == []  # one stage holds both: still tied
+    assert ties_across_stages(layers, [0, 2, 3]) == [Tie((0, 2), ("weight", "weight"), (0, 1))]
+    assert ties_across_stages(layers, [0, 3]) == []  # one stage holds both: still tied
     assert cut_layers(layers, "uniform", 2) == [0, 2, 3]
 
 

@@ -61,8 +61,8 @@ def test_same_cuts_as_deepspeed(weights, parts):
 def test_weights_tied_across_stages_are_named():
     """A weight tied across stages is held by each stage: the engines keep the copies equal (see checks.py)."""
     from plugin.models.gpt import GPT, GPTConfig
-    from plugin.pipeline_parallel.checks import shared_across_stages
+    from plugin.pipeline_parallel.checks import Tie, ties_across_stages
 
     tied = GPT(GPTConfig(vocab=16, hidden=8, layers=2, heads=2, seq_len=4, tie_embeddings=True)).to_layers()
-    assert shared_across_stages(tied, [0, 2, 4]) == ["HeadLayer (layer 3).head.weight"]
-    assert shared_across_stages(tied, [0, 4]) == []
+    assert ties_across_stages(tied, [0, 2, 4]) == [Tie((0, 3), ("embed.weight", "head.weight"), (0, 1))]
+    assert ties_across_stages(tied, [0, 4]) == []
