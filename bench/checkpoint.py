@@ -2,22 +2,29 @@
 
 One DeepSpeed ZeRO engine (default ZeRO-3, 2 CPU processes, gloo) of the reference GPT (default 1.14 GiB of fp32
 weights: the export goal is for a model of at least 1 GB), one optimizer step so Adam's moments exist; then on that
-state, --repeat rounds of the six operations in turn (so the machine's load drifts alike over all three; medians,
-barriers around each, and an untimed ``os.sync()`` before each: without it the next operation after DeepSpeed's
-save, which does not fsync, paid for writing DeepSpeed's files back, 2-3x on the plugin's save here):
+state, --repeat rounds of the three saves, then the three loads of what they wrote (the order turned by one each
+round, so drift in the machine's load falls on all three alike; medians, barriers around each):
 
 * plugin: ``engine.save`` / ``engine.load`` (pieces, a checksum of every item taken while it is written and checked
-  while it is read, manifest, rename after every rank finished; DCP with sync_files: every file fsynced);
+  while it is read, manifest, rename after every rank finished; DCP with sync_files: every file fsynced, written
+  behind: ``plugin/checkpoint/writeback.py``);
 * raw DCP: ``dcp.save`` / ``dcp.load`` of the same local tensors (each piece's view under its own key) with the
   default planners and writer (the same bytes, also fsynced; no pieces, checksums, manifest or rename);
 * DeepSpeed: ``save_checkpoint`` / ``load_checkpoint`` (torch.save, no fsync).
+
+Every save writes a new directory (DeepSpeed: a new tag), as a training job does (``global_step{N}``): a save
+that overwrote the same files would reuse the pages their truncation just freed, which a job's saves, minutes
+apart, do not (on this VM freed memory goes back to the host within seconds and its first touch is slow, 0.35
+GB/s). Before each operation, untimed: ``os.sync()`` (nothing pays for another's unsynced files), every file
+written so far dropped from the page cache (``posix_fadvise``: every load reads from the disk, as a resume after a
+restart does, and no load finds its files cached while another's were written behind), and --settle seconds.
 
 Then, in fresh processes: ``python -m plugin checkpoint export`` of the plugin's checkpoint against DeepSpeed's
 ``zero_to_fp32`` (``convert_zero_checkpoint_to_fp32_state_dict``, safetensors) of DeepSpeed's; time and peak RSS
 (``ru_maxrss`` of the child) minus the peak of a child that only imports torch (the baseline).
 
-Usage: python bench/checkpoint.py [--hidden 1536] [--layers 9] [--vocab 16384] [--zero 3] [--repeat 3]
-(about 6 minutes here at the defaults and 5.5 GB of memory per rank, 11 GB in all: on a shared 23 GB machine
+Usage: python bench/checkpoint.py [--hidden 1536] [--layers 9] [--vocab 16384] [--zero 3] [--repeat 3] [--settle 6]
+(about 8 minutes here at the defaults and 5.5 GB of memory per rank, 11 GB in all: on a shared 23 GB machine
 another job can get it OOM-killed; --hidden 1024 --layers 8 --vocab 8192: 0.44 GiB, about 2 GB per rank)
 """
 from __future__ import annotations
@@ -49,24 +56,41 @@ def _recipe(args, tmp: Path) -> Path:
     return path
 
 
-def _timed_rounds(ops: dict, repeat: int) -> dict:
-    """``{name: median seconds}`` of ``repeat`` rounds, each running every op once in order."""
+def drop_cache(root: Path) -> None:
+    """Every file under ``root`` out of the page cache (clean pages: call after ``os.sync()``)."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _timed_rounds(saves: dict, loads: dict, repeat: int, tmp: Path, settle: float) -> dict:
+    """``{name: median seconds}`` of ``repeat`` rounds: every save of round ``i`` (``fn(i)``), then every load of
+    what round ``i`` wrote, each in an order turned by ``i``."""
     import torch.distributed as dist
 
-    times = {name: [] for name in ops}
-    for _ in range(repeat):
-        for name, fn in ops.items():
-            dist.barrier()
-            os.sync()  # untimed: no operation pays for the write-back of an earlier one's unsynced files
-            dist.barrier()
-            t = time.perf_counter()
-            fn()
-            dist.barrier()
-            times[name].append(time.perf_counter() - t)
+    times = {name: [] for name in [*saves, *loads]}
+    for i in range(repeat):
+        for ops in (saves, loads):
+            names = list(ops)
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                dist.barrier()
+                os.sync()
+                if dist.get_rank() == 0:
+                    drop_cache(tmp)
+                time.sleep(settle)
+                dist.barrier()
+                t = time.perf_counter()
+                ops[name](i)
+                dist.barrier()
+                times[name].append(time.perf_counter() - t)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def _rank(rank, world, port, recipe_path, tmp, repeat, out):
+def _rank(rank, world, port, recipe_path, tmp, repeat, settle, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
                       DS_ACCELERATOR="cpu")
@@ -91,12 +115,12 @@ def _rank(rank, world, port, recipe_path, tmp, repeat, out):
     nbytes = sum(t.numel() * t.element_size() for t in raw.values())
     res = {"bytes": nbytes}
     res.update(_timed_rounds({
-        "plugin_save": lambda: engine.save(f"{tmp}/plugin"),
-        "dcp_save": lambda: dcp.save(raw, checkpoint_id=f"{tmp}/dcp"),
-        "ds_save": lambda: engine.ds.save_checkpoint(f"{tmp}/ds", tag="t"),
-        "plugin_load": lambda: engine.load(f"{tmp}/plugin"),
-        "dcp_load": lambda: dcp.load(raw, checkpoint_id=f"{tmp}/dcp"),
-        "ds_load": lambda: engine.ds.load_checkpoint(f"{tmp}/ds", tag="t")}, repeat))
+        "plugin_save": lambda i: engine.save(f"{tmp}/plugin/r{i}"),
+        "dcp_save": lambda i: dcp.save(raw, checkpoint_id=f"{tmp}/dcp/r{i}"),
+        "ds_save": lambda i: engine.ds.save_checkpoint(f"{tmp}/ds", tag=f"r{i}")}, {
+        "plugin_load": lambda i: engine.load(f"{tmp}/plugin/r{i}"),
+        "dcp_load": lambda i: dcp.load(raw, checkpoint_id=f"{tmp}/dcp/r{i}"),
+        "ds_load": lambda i: engine.ds.load_checkpoint(f"{tmp}/ds", tag=f"r{i}")}, repeat, Path(tmp), settle))
     Path(out, f"{rank}.json").write_text(json.dumps(res))
     engine.close()
 
@@ -119,6 +143,7 @@ def main():
     p.add_argument("--vocab", type=int, default=16384)
     p.add_argument("--zero", type=int, default=3)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--settle", type=float, default=6.0, help="seconds of rest before each timed operation")
     args = p.parse_args()
     import torch.multiprocessing as mp
 
@@ -128,13 +153,19 @@ def main():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(_rank, args=(2, port, str(recipe), str(tmp), args.repeat, out), nprocs=2, join=True)
+        mp.spawn(_rank, args=(2, port, str(recipe), str(tmp), args.repeat, args.settle, out), nprocs=2, join=True)
         ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(2)]
+        last = f"r{args.repeat - 1}"
         base_t, base = _child_peak("import torch, safetensors")
-        ours_t, ours = _child_peak(["-m", "plugin.checkpoint.export", str(tmp / "plugin"), "-o", str(tmp / "exp")])
+        os.sync()
+        drop_cache(tmp)
+        ours_t, ours = _child_peak(["-m", "plugin.checkpoint.export", str(tmp / "plugin" / last),
+                                    "-o", str(tmp / "exp")])
+        os.sync()
+        drop_cache(tmp)
         theirs_t, theirs = _child_peak(
             "from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict as c; "
-            f"c({str(tmp / 'ds')!r}, {str(tmp / 'z2f')!r}, tag='t', safe_serialization=True)")
+            f"c({str(tmp / 'ds')!r}, {str(tmp / 'z2f')!r}, tag={last!r}, safe_serialization=True)")
         model_bytes = sum(f.stat().st_size for f in (tmp / "exp").glob("*.safetensors"))
     r = {k: max(x[k] for x in ranks) for k in ranks[0]}
     print(f"model {model_bytes / 2**20:.0f} MiB ({model_bytes / 1e9:.2f} GB) fp32, ZeRO-{args.zero} on 2 CPU "

@@ -22,6 +22,7 @@ from pathlib import Path
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from ..errors import PluginError
+from .writeback import WriteBehind
 
 try:
     import xxhash
@@ -67,12 +68,14 @@ def digest(algorithm: str, data) -> str:
 
 
 class _SummingStream(io.RawIOBase):
-    """A binary file opened for writing whose bytes are hashed, the hash cut at every ``tell()``."""
+    """A binary file opened for writing whose bytes are hashed, the hash cut at every ``tell()``, and written
+    behind (:mod:`.writeback`: the disk writes while DCP goes on, the pages leave the cache)."""
 
     def __init__(self, raw, algorithm: str, record: list):
         self._raw, self._algorithm, self._record = raw, algorithm, record
         self._start = self._pos = 0
         self._h = Hasher(algorithm)
+        self._behind = WriteBehind(raw.fileno())
 
     def writable(self) -> bool:
         return True
@@ -82,6 +85,7 @@ class _SummingStream(io.RawIOBase):
         self._h.update(view)
         n = self._raw.write(view)
         self._pos += n
+        self._behind.written(self._pos)  # up to one buffer (8 KiB) behind the kernel's size: harmless
         return n
 
     def _cut(self) -> None:
@@ -94,6 +98,9 @@ class _SummingStream(io.RawIOBase):
         return self._pos
 
     def fileno(self) -> int:
+        # DCP asks for the descriptor to fsync it, without flushing the stream first (torch 2.13's
+        # _write_files_from_queue): the last bytes still in the file object's buffer would miss the fsync
+        self._raw.flush()
         return self._raw.fileno()
 
     def flush(self) -> None:
@@ -103,6 +110,8 @@ class _SummingStream(io.RawIOBase):
     def close(self) -> None:
         if not self.closed:
             self._cut()
+            self._raw.flush()
+            self._behind.finish()  # after DCP's fsync when sync_files: what is left leaves the cache
             self._raw.close()
         super().close()
 

@@ -1,7 +1,8 @@
 """Saving and loading a :class:`~.boxes.LocalState`: the directory protocol over DCP (every rank calls them).
 
 Save: rank 0 makes ``DIR/step-N.partial``; every rank writes its pieces through DCP (``sync_files``: data and
-``.metadata`` fsynced), each item's checksum taken while it is written (:mod:`.digest`); rank 0 gathers those,
+``.metadata`` fsynced; written behind, :mod:`.writeback`, so the fsync finds little left and the files leave the
+page cache), each item's checksum taken while it is written (:mod:`.digest`); rank 0 gathers those,
 writes the manifest (tensor table, sizes, checksums) atomically, removes the steps above N (an abandoned timeline:
 see :func:`~.directory.drop_later_steps`), renames the directory to ``step-N``, replaces ``DIR/latest`` and prunes.
 Load: the manifest, then every check that needs no collective (model names and shapes, files and sizes), then
@@ -13,6 +14,7 @@ import json
 import os
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -45,6 +47,20 @@ def _gather(obj) -> list:
     return out
 
 
+@contextmanager
+def _no_zip_crc32():
+    """``torch.save`` without the zip's CRC-32 of every record while DCP writes the items: each item already gets
+    an XXH3 checksum over all its bytes (:mod:`.digest`), checked on every read, and the CRC-32 (computed by
+    torch at 3.8 GB/s here, 0.18 s per 0.7 GB) is never checked by ``torch.load``. torch's option is
+    process-wide: restored when the save ends."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
 def role_of(name: str) -> str:
     return "optim" if name.startswith("optim.") else "rng" if name.startswith("rng/") else "param"
 
@@ -70,7 +86,8 @@ def save(state: LocalState, directory: str | Path, step: int, info: dict, *, kee
     algorithm = default_algorithm()
     writer.fs = fs = SummingFileSystem(algorithm)
     try:
-        metadata = dcp.save(state.entries, storage_writer=writer, planner=PieceSavePlanner())
+        with _no_zip_crc32():
+            metadata = dcp.save(state.entries, storage_writer=writer, planner=PieceSavePlanner())
     except CheckpointException as e:  # a BaseException: `except Exception` would miss it
         raise CheckpointError(f"{tmp}: saving failed: {e}") from None
     mine = {n: file_record(tmp, n, items, algorithm) for n, items in fs.items.items() if n.endswith(".distcp")}
