@@ -115,12 +115,15 @@ def _segment(recipe, launcher: str, tmp: Path, ckpt: Path, i: int, draw) -> tupl
 
 
 def _draw(rng: random.Random, inside: bool):
-    """A kill moment after the segment's resume point r: inside the save of a random later step (0-20 ms after its
-    ``.partial`` appears), or anywhere (0-300 ms after a random later save completed, at most step 6 so that the
-    run is still going: 4 steps and 2 saves of this model take about 0.35 s here)."""
+    """A kill moment after the segment's resume point r: inside the save of a random later step before the last
+    (0-20 ms after its ``.partial`` appears: a save of this model can complete within those 20 ms, and one of the
+    last step then leaves the resumed run no step to compare), or anywhere (0-300 ms after a random later save
+    completed, at most step 6 so that the run is still going: 4 steps and 2 saves of this model take about 0.35 s
+    here)."""
     def at(r: int):
         if inside:
-            return f"step-{rng.choice(range(r + 2, STEPS + 1, 2)):08d}.partial", rng.uniform(0, 0.02), rng.randrange(2)
+            step = rng.choice(range(r + 2, max(r + 4, STEPS), 2))
+            return f"step-{step:08d}.partial", rng.uniform(0, 0.02), rng.randrange(2)
         return f"step-{rng.choice(range(r + 2, max(r + 2, 6) + 1, 2)):08d}", rng.uniform(0, 0.3), rng.randrange(2)
     return at
 
