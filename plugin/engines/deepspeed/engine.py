@@ -25,7 +25,10 @@ model already recomputes as :func:`plugin.engines.initialize.initialize` set it.
 Checkpoints: the checkpoint room's format, DeepSpeed's partitions read in place (:mod:`.state`).
 
 Precision: under bf16 / fp16 DeepSpeed casts the model itself, so floating inputs are cast to that dtype
-as they enter (:attr:`~plugin.engines.base.Engine.input_dtype`); integer token ids and labels are not.
+as they enter (:attr:`~plugin.engines.base.Engine.input_dtype`); integer token ids and labels are not. fp16 at
+ZeRO-0 without a pipeline: the engine multiplies the loss by the scale before ``ds.backward``, which DeepSpeed 0.19.8
+leaves out for its FP16 optimizers (:func:`.state.unapplied_loss_scale`); a PipelineModule's backward
+(``PipelineEngine._exec_backward_pass``) goes through the same ``engine.backward`` and is not corrected yet.
 """
 from __future__ import annotations
 
@@ -107,12 +110,13 @@ class DeepSpeedEngine(Engine):
             return float(loss.item())
         micro = self.micro_batches(batch)
         losses, mean_loss = [], None
+        scale = state.unapplied_loss_scale(self.ds)
         for i, (inputs, labels) in enumerate(micro):
             loss = self.loss_fn(self.call_model(self.ds, inputs), labels)
             losses.append(loss.detach().float())
             if i == len(micro) - 1:  # every loss is known: average them while the last backward runs
                 mean_loss = self.start_mean_over_data(torch.stack(losses).mean())
-            self.ds.backward(loss)
+            self.ds.backward(loss if scale is None else loss.float() * scale)
             self.ds.step()
         self.step_count += 1
         return mean_loss()
