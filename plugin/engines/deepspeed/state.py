@@ -104,8 +104,8 @@ def _master_of(engine, masters: dict, p, key):
     if hit is None:
         return None
     _, src, start = hit
-    if key is not None:
-        src = _base(engine).state[src][key]
+    # detached: the masters are leaves that require grad (DeepSpeed sets it), and a load writes into the view
+    src = src.detach() if key is None else _base(engine).state[src][key]
     return src.view(-1).narrow(0, start, p.numel()).view(p.shape)
 
 
