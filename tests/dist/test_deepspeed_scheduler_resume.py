@@ -1,9 +1,8 @@
 """A raw ``deepspeed`` block's LR scheduler across a checkpoint: DeepSpeed's schedulers set the optimizer's lr in
 ``step()``, not in ``load_state_dict()``, so a resume that only restored the step would train its next steps at the
 initial lr and exit 0. One plain process (a world of one), three engines: 6 steps uninterrupted, then 3 + save,
-then load + 3: the resumed losses equal the uninterrupted ones exactly. And fp16 at ZeRO-0, whose FP16_Optimizer
-masters the format does not hold yet, is refused by name at save rather than resumed wrong (ZeRO 1-3 fp16:
-test_checkpoint_fp16.py)."""
+then load + 3: the resumed losses equal the uninterrupted ones exactly. (fp16 at ZeRO 0-3, its loss scaler and the
+steps it skipped: test_checkpoint_fp16.py.)"""
 import json
 import subprocess
 import sys
@@ -23,8 +22,6 @@ import torch.nn.functional as F
 import plugin
 from plugin.recipe.spec import Recipe
 from plugin.recipe.checks import load_recipe
-from plugin.engines.deepspeed.state import check_checkpointable
-from plugin.checkpoint.dcp_io import CheckpointError
 
 ckpt = sys.argv[1]
 base = load_recipe("cpu_single").to_dict()
@@ -48,15 +45,8 @@ c = engine()
 step = c.load(ckpt)["step"]
 lrs.append(c.ds.optimizer.param_groups[0]["lr"])
 rest = [c.train_step((x, y)) for _ in range(3)]
-fp16 = type("E", (), {"recipe": Recipe.from_dict({**base, "precision": "fp16"})})()
-try:
-    check_checkpointable(fp16)
-    refused = ""
-except CheckpointError as e:
-    refused = str(e)
 c.close()
-print("RESULT " + json.dumps({"whole": whole, "first": first, "rest": rest, "step": step, "lrs": lrs,
-                              "refused": refused}))
+print("RESULT " + json.dumps({"whole": whole, "first": first, "rest": rest, "step": step, "lrs": lrs}))
 """
 
 
@@ -69,4 +59,3 @@ def test_a_resumed_run_continues_the_deepspeed_schedulers_lr(tmp_path):
     assert r["first"] == r["whole"][:3], r
     assert r["rest"] == r["whole"][3:], r  # exactly: same weights, moments and lr at steps 4-6
     assert r["lrs"][1] > 0, r  # the resumed optimizer's lr is the scheduler's, not load_state_dict's leftover
-    assert "fp16" in r["refused"] and "bf16" in r["refused"], r

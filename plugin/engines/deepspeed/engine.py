@@ -25,7 +25,11 @@ model already recomputes as :func:`plugin.engines.initialize.initialize` set it.
 Checkpoints: the checkpoint room's format, DeepSpeed's partitions read in place (:mod:`.state`).
 
 Precision: under bf16 / fp16 DeepSpeed casts the model itself, so floating inputs are cast to that dtype
-as they enter (:attr:`~plugin.engines.base.Engine.input_dtype`); integer token ids and labels are not.
+as they enter (:attr:`~plugin.engines.base.Engine.input_dtype`); integer token ids and labels are not. fp16 at
+ZeRO-0 without a pipeline: the engine multiplies the loss by the scale before ``ds.backward``, which DeepSpeed 0.19.8
+leaves out for its FP16 optimizers (:func:`.state.unapplied_loss_scale`); a PipelineModule's backward
+(``PipelineEngine._exec_backward_pass``) goes through the same ``engine.backward`` with no place for the plugin to
+apply it, so fp16 at ZeRO-0 with pipeline > 1 is refused (ZeRO-1 or bf16 instead).
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from collections.abc import Callable
 import torch
 
 from ...distributed.groups import ParallelGroups, build_groups
+from ...errors import PluginError
 from ...materialize.sinks import Zero3Sink
 from ...pipeline_parallel.checks import check_stage_cut
 from ...tensor_parallel.random import tensor_parallel_rngs
@@ -107,12 +112,13 @@ class DeepSpeedEngine(Engine):
             return float(loss.item())
         micro = self.micro_batches(batch)
         losses, mean_loss = [], None
+        scale = state.unapplied_loss_scale(self.ds)
         for i, (inputs, labels) in enumerate(micro):
             loss = self.loss_fn(self.call_model(self.ds, inputs), labels)
             losses.append(loss.detach().float())
             if i == len(micro) - 1:  # every loss is known: average them while the last backward runs
                 mean_loss = self.start_mean_over_data(torch.stack(losses).mean())
-            self.ds.backward(loss)
+            self.ds.backward(loss if scale is None else loss.float() * scale)
             self.ds.step()
         self.step_count += 1
         return mean_loss()
@@ -188,6 +194,15 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
     lists its layers for a pipeline, ``ctx.loss_for(tp_group)`` gives the loss function."""
     model, recipe, layout, device = ctx.model, ctx.recipe, ctx.layout, ctx.device
     layers_of, apply_tp, loss_for = ctx.layers_of, ctx.apply_tp, ctx.loss_for
+    if layout.pipeline > 1 and recipe.precision == "fp16" and int(recipe.zero.stage or 0) == 0:
+        # the pipeline engine's backward is DeepSpeed's engine.backward, which leaves the loss unscaled for its
+        # FP16 optimizers while their step divides by the scale (state.unapplied_loss_scale; train_batch gives the
+        # plugin no place to apply it): measured pp2 at 2**18, 6 steps, no overflow and the scale never moved, where
+        # ZeRO-1 overflowed twice
+        raise PluginError("DeepSpeed's pipeline engine trains fp16 at ZeRO-0 with an unscaled loss whose gradients "
+                          "its FP16 optimizer then divides by the loss scale (DeepSpeed 0.19.8: updates shrink by the "
+                          'scale, exit 0) -> set "zero": {"stage": 1} (its ZeRO optimizer scales the loss), '
+                          '"precision": "bf16", or use the native back end')
     if layout.pipeline > 1:  # before any process group: every rank refuses alike, nothing hangs
         bounds, ties = check_stage_cut(layers_of(model), recipe.pipeline_parallel.partition, layout.pipeline,
                                        "DeepSpeed's PipelineModule")
