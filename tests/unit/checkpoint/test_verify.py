@@ -9,9 +9,10 @@ import tracemalloc
 import pytest
 import torch
 
+from plugin.checkpoint.dcp_io import read_metadata_file
 from plugin.checkpoint.digest import digest
 from plugin.checkpoint.manifest import read_manifest
-from plugin.checkpoint.verify import _Hasher, verify
+from plugin.checkpoint.verify import _Hasher, item_names, verify
 from plugin.cli.main import main
 
 from .test_store import _save
@@ -37,6 +38,21 @@ def test_the_hash_is_the_one_the_save_takes(algorithm):
     assert h.hexdigest() == digest(algorithm, data)
 
 
+def _names_through_torch(d):
+    """What DCP's own classes say (through the store's restricted unpickler): the items' tensors and chunks."""
+    md = read_metadata_file(d / ".metadata")
+    return {(i.relative_path, i.offset): f"{k.fqn} at {tuple(k.offset)}" for k, i in md.storage_data.items()}
+
+
+def test_items_are_named_as_dcps_own_classes_name_them(tmp_path, full):
+    d = _save(tmp_path, full)
+    names = item_names(d / ".metadata")
+    assert names == _names_through_torch(d) and len(names) == 6  # three tensors, two tensor-rank chunks each
+    assert "embed.weight at (4, 0)" in names.values()
+    (d / "evil").write_bytes(b"cos\nsystem\n(S'true'\ntR.")  # a pickle that would run code: refused, no names
+    assert item_names(d / "evil") == {}
+
+
 def test_an_intact_checkpoint_verifies_every_byte(tmp_path, full, capsys):
     d = _save(tmp_path, full)
     manifest = read_manifest(d)
@@ -56,7 +72,7 @@ def test_an_intact_checkpoint_verifies_every_byte(tmp_path, full, capsys):
 
 def test_flipped_bytes_and_a_truncated_file_are_named_at_once(tmp_path, full, capsys):
     d = _save(tmp_path, full)
-    manifest = read_manifest(d)
+    manifest, names = read_manifest(d), _names_through_torch(d)
     data, meta = _files(d)[0], d / ".metadata"  # one process: one data file
     items = manifest["files"][data.name]["items"]
     assert len(items) >= 4, items
@@ -74,15 +90,22 @@ def test_flipped_bytes_and_a_truncated_file_are_named_at_once(tmp_path, full, ca
     assert len(r.damaged) == 4, r.damaged
     assert r.damaged[0].startswith(f"{meta}: item at byte 0 ({len(m)} bytes): {algo} ")
     assert r.damaged[1].startswith(f"{data}: {cut} bytes, the manifest recorded {size} (truncated or overwritten)")
-    assert r.damaged[2].startswith(f"{data}: item at byte {off0} ({n0} bytes): {algo} ")
-    assert all("the manifest recorded" in p and "(corrupted)" in p for p in (r.damaged[0], r.damaged[2]))
+    assert r.damaged[2].startswith(f"{data}: item at byte {off0} ({n0} bytes): {algo} ")  # .metadata is damaged:
+    assert all("the manifest recorded" in p and "(corrupted)" in p for p in (r.damaged[0], r.damaged[2]))  # no names
     assert r.damaged[3].startswith(f"{data}: {len(items) - 2} item(s) from byte {items[2][0]} on are cut off: the "
                                    f"file ends at byte {cut} (truncated)")
+    meta.write_bytes(bytes(m[:-1]) + bytes([m[-1] ^ 0x80]))  # .metadata mended: the items are named
+    r = verify(d, manifest)
+    assert len(r.damaged) == 3, r.damaged
+    assert r.damaged[1].startswith(f"{data}: item at byte {off0} ({n0} bytes, {names[data.name, off0]}): {algo} ")
+    cut_names = "; ".join(names[data.name, o] for o, _, _ in items[2:5]) + ("; ..." if len(items) > 5 else "")
+    assert r.damaged[2].startswith(f"{data}: {len(items) - 2} item(s) from byte {items[2][0]} on are cut off "
+                                   f"({cut_names}): the file ends at byte {cut} (truncated)")
     assert all("-> resume from an earlier step directory" in p for p in r.damaged)
     assert r.bytes == len(m) + items[2][0]  # the second item is read and passes; nothing past the cut is read
     assert main(["checkpoint", "verify", str(d)]) == 2
     err = capsys.readouterr().err
-    assert all(p in err for p in r.damaged) and f"{d}: 4 problem(s) found in 2 files" in err
+    assert all(p in err for p in r.damaged) and f"{d}: 3 problem(s) found in 2 files" in err
 
 
 def test_a_missing_file_and_a_damaged_item_table_are_named(tmp_path, full, capsys):
