@@ -1,5 +1,5 @@
-"""Every byte of a step directory against the checksums its manifest recorded (pure: no torch, nothing unpickled,
-no process group): ``python -m plugin checkpoint verify DIR``.
+"""Every byte of a step directory against the checksums its manifest recorded (pure: no torch, no process group,
+nothing of the files runs): ``python -m plugin checkpoint verify DIR``.
 
 The manifest records, for every file DCP wrote (each rank's ``.distcp``, and ``.metadata``), its size and the
 ``[offset, length, digest]`` of each item, taken while the bytes were written (:mod:`.digest`). A load checks the
