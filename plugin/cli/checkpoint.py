@@ -1,7 +1,9 @@
-"""``checkpoint inspect DIR`` / ``checkpoint check DIR RECIPE [--world-size N]`` / ``checkpoint export DIR -o OUT``.
+"""``checkpoint inspect DIR`` / ``checkpoint check DIR RECIPE [--world-size N]`` / ``checkpoint verify DIR`` /
+``checkpoint export DIR -o OUT``.
 
-``inspect`` and ``check`` read the checkpoint's JSON manifest only (no torch, nothing unpickled). ``export`` needs
-torch: it runs ``python -m plugin.checkpoint.export`` in a child process, so this module stays pure.
+``inspect`` and ``check`` read the checkpoint's JSON manifest only (no torch, nothing unpickled); ``verify`` reads
+every byte of the files too, against the manifest's checksums (:mod:`plugin.checkpoint.verify`, also pure).
+``export`` needs torch: it runs ``python -m plugin.checkpoint.export`` in a child process, so this module stays pure.
 """
 from __future__ import annotations
 
@@ -13,14 +15,15 @@ from pathlib import Path
 
 from ..checkpoint.directory import complete_steps, resolve
 from ..checkpoint.manifest import check_files, read_manifest, recipe_problems, tensor_bytes
+from ..checkpoint.verify import verify
 from ..errors import PluginError
 from .common import EXIT_INVALID, EXIT_OK, add_world_size, load_or_report
 
 
 def register(sub) -> None:
-    p = sub.add_parser("checkpoint", help="inspect, check or export a checkpoint written by --save",
-                       description="Inspect a checkpoint, check whether a recipe can load it, or export one "
-                                   "safetensors model from it.")
+    p = sub.add_parser("checkpoint", help="inspect, check, verify or export a checkpoint written by --save",
+                       description="Inspect a checkpoint, check whether a recipe can load it, verify every byte "
+                                   "against its checksums, or export one safetensors model from it.")
     cmds = p.add_subparsers(dest="checkpoint_command", metavar="SUBCOMMAND")
     cmds.required = True
     i = cmds.add_parser("inspect", help="step, layout, back end, tensors and bytes (no torch)")
@@ -33,6 +36,12 @@ def register(sub) -> None:
     c.add_argument("recipe", metavar="RECIPE")
     add_world_size(c)
     c.set_defaults(run=run_check)
+    v = cmds.add_parser("verify", help="every file read once, every item against its checksum; every damaged "
+                                       "file and item at once (exit 2)")
+    v.add_argument("directory", metavar="DIR", help="a step directory, or a --save directory (its highest complete "
+                                                    "step)")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(run=run_verify)
     e = cmds.add_parser("export", help="one consolidated safetensors model, streamed tensor by tensor")
     e.add_argument("directory", metavar="DIR")
     e.add_argument("-o", "--out", required=True)
@@ -124,6 +133,35 @@ def run_check(args) -> int:
     if damaged or any(p.is_error for p in problems):
         return EXIT_INVALID
     print(f"{step_dir}: {recipe.source or recipe.name} can load it (step {manifest['step']})")
+    return EXIT_OK
+
+
+def run_verify(args) -> int:
+    opened = _open(args.directory)
+    if opened is None:
+        return EXIT_INVALID
+    step_dir, manifest = opened
+    try:
+        r = verify(step_dir, manifest)
+    except PluginError as e:  # a checksum this machine cannot compute: not damage, but nothing verified
+        print(e, file=sys.stderr)
+        return EXIT_INVALID
+    if args.json:
+        print(json.dumps({"directory": str(step_dir), "step": manifest["step"], "files": r.files, "items": r.items,
+                          "bytes": r.bytes, "seconds": round(r.seconds, 6), "gb_per_s": round(r.gb_per_s, 3),
+                          "checksums": r.algorithms, "damaged": r.damaged, "unrecorded": r.unrecorded}, indent=1))
+    for name in r.unrecorded:
+        print(f"{step_dir / name}: not recorded in the manifest, not verified (no load reads it)", file=sys.stderr)
+    if r.damaged:
+        if not args.json:
+            for bad in r.damaged:
+                print(bad, file=sys.stderr)
+        print(f"{step_dir}: {len(r.damaged)} problem(s) found in {r.files} files ({r.items} items, {r.bytes:,} bytes "
+              "read)", file=sys.stderr)
+        return EXIT_INVALID
+    if not args.json:
+        print(f"{step_dir}: step {manifest['step']}: {r.files} files, {r.items} items, {r.bytes:,} bytes verified "
+              f"({', '.join(r.algorithms)}) in {r.seconds:.3f} s, {r.gb_per_s:.2f} GB/s")
     return EXIT_OK
 
 

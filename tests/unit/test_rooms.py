@@ -29,7 +29,8 @@ SHARED = {"plugin.errors"}
 PURE_PACKAGES = ["plugin.recipe", "plugin.interop", "plugin.planning", "plugin.launch", "plugin.cli"]
 PURE_MODULES = ["plugin.errors", "plugin.distributed.topology", "plugin.distributed.env", "plugin.engines.choose",
                 "plugin.engines.model_checks",
-                "plugin.checkpoint.directory", "plugin.checkpoint.manifest", "plugin.checkpoint.writeback"]
+                "plugin.checkpoint.directory", "plugin.checkpoint.manifest", "plugin.checkpoint.writeback",
+                "plugin.checkpoint.verify"]
 HEAVY = ("torch", "deepspeed", "accelerate", "transformers")
 
 
