@@ -11,46 +11,19 @@ A damaged item is named by its tensor and chunk when ``.metadata`` itself is int
 intact checkpoint is read once) by an unpickler whose classes are stand-ins holding fields (:class:`_Record`), so
 nothing of the file runs and torch is not needed.
 
-The hash is the one :mod:`.digest` takes (XXH3-64 through ``xxhash``, or zlib's crc32), computed here without
-:mod:`.digest`, which imports torch for DCP's file system; a unit test holds the two equal.
+The hash is :mod:`.checksum`'s, the one :mod:`.digest` takes while DCP writes.
 """
 from __future__ import annotations
 
 import pickle
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import PluginError
+from .checksum import Hasher
 
 CHUNK = 4 << 20  # bytes read at a time: large enough for the disk's speed, small enough to never matter
 FIX = "-> resume from an earlier step directory (checkpoint inspect DIR lists them)"
-
-
-class _Hasher:
-    """An incremental hash of ``algorithm`` with :class:`.digest.Hasher`'s hexdigest."""
-
-    def __init__(self, algorithm: str):
-        self._h, self._crc = None, 0
-        if algorithm == "xxh3_64":
-            try:
-                import xxhash
-            except ImportError:
-                raise PluginError("the checkpoint's checksums are XXH3-64 and the xxhash package is missing -> "
-                                  "pip install xxhash") from None
-            self._h = xxhash.xxh3_64()
-        elif algorithm != "crc32":
-            raise PluginError(f"unknown checksum {algorithm!r} in the manifest -> written by another plugin version")
-
-    def update(self, data) -> None:
-        if self._h is not None:
-            self._h.update(data)
-        else:
-            self._crc = zlib.crc32(data, self._crc)
-
-    def hexdigest(self) -> str:
-        return self._h.hexdigest() if self._h is not None else f"{self._crc:08x}"
 
 
 class _Record:
@@ -171,7 +144,7 @@ def _verify_file(path: Path, rec: dict, buf: bytearray, report: Report, names: _
             if off != pos:
                 f.seek(off)
                 pos = off
-            h, left = _Hasher(algorithm), length
+            h, left = Hasher(algorithm), length
             while left:
                 got = f.readinto(view[: min(left, len(buf))])
                 if not got:  # the file shrank while it was read

@@ -30,7 +30,7 @@ PURE_PACKAGES = ["plugin.recipe", "plugin.interop", "plugin.planning", "plugin.l
 PURE_MODULES = ["plugin.errors", "plugin.distributed.topology", "plugin.distributed.env", "plugin.engines.choose",
                 "plugin.engines.model_checks",
                 "plugin.checkpoint.directory", "plugin.checkpoint.manifest", "plugin.checkpoint.writeback",
-                "plugin.checkpoint.verify"]
+                "plugin.checkpoint.verify", "plugin.checkpoint.checksum"]
 HEAVY = ("torch", "deepspeed", "accelerate", "transformers")
 
 

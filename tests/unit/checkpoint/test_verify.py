@@ -9,10 +9,11 @@ import tracemalloc
 import pytest
 import torch
 
+from plugin.checkpoint.checksum import Hasher
 from plugin.checkpoint.dcp_io import read_metadata_file
 from plugin.checkpoint.digest import digest
 from plugin.checkpoint.manifest import read_manifest
-from plugin.checkpoint.verify import _Hasher, item_names, verify
+from plugin.checkpoint.verify import item_names, verify
 from plugin.cli.main import main
 
 from .test_store import _save
@@ -32,7 +33,7 @@ def _files(d):
 @pytest.mark.parametrize("algorithm", ["xxh3_64", "crc32"])
 def test_the_hash_is_the_one_the_save_takes(algorithm):
     data = bytes(range(256)) * 37
-    h = _Hasher(algorithm)
+    h = Hasher(algorithm)
     for at in range(0, len(data), 1000):  # in pieces, as verify feeds it
         h.update(memoryview(data)[at: at + 1000])
     assert h.hexdigest() == digest(algorithm, data)
