@@ -1,5 +1,6 @@
 """Write-behind (plugin/checkpoint/writeback.py) on real files: the bytes are all there, the file leaves the page
-cache as it is written (counted with mincore), and a checkpoint stream's fsync covers its last bytes."""
+cache as it is written (counted with mincore), and a checkpoint stream's fsync covers its last bytes; and the
+load's read-ahead (dcp_io.ReadAhead): exactly the items read, a window ahead."""
 from __future__ import annotations
 
 import ctypes
@@ -99,3 +100,23 @@ def test_the_fsync_descriptor_has_every_byte(tmp_path):
         stream.write(b"a" * 100)  # stays in the file object's buffer (8 KiB)
         fd = stream.fileno()
         assert os.fstat(fd).st_size == 100
+
+
+def test_read_ahead_asks_for_exactly_the_items_read_a_window_ahead(monkeypatch):
+    from plugin.checkpoint import dcp_io
+
+    asked = []
+    monkeypatch.setattr(dcp_io.os, "posix_fadvise", lambda fd, off, n, advice: asked.append((off, n, advice)))
+    # items of 40 bytes with gaps (a resharding load reads part of a file): a window of 100 bytes
+    spans = [(0, 40), (50, 40), (100, 40), (400, 40), (450, 40)]
+    ahead = dcp_io.ReadAhead(3, spans, window=100)
+    ahead.before(0)
+    assert asked == [(0, 40, os.POSIX_FADV_WILLNEED), (50, 40, os.POSIX_FADV_WILLNEED)]  # 140 - 0 > 100: not yet
+    ahead.before(1)
+    assert asked[2:] == [(100, 40, os.POSIX_FADV_WILLNEED)]
+    ahead.before(2)
+    assert asked[3:] == []  # 440 - 100 > 100
+    ahead.before(3)
+    assert asked[3:] == [(400, 40, os.POSIX_FADV_WILLNEED), (450, 40, os.POSIX_FADV_WILLNEED)]
+    ahead.before(4)
+    assert len(asked) == 5  # each item asked for once
