@@ -18,12 +18,15 @@ apart, do not (on this VM freed memory goes back to the host within seconds and 
 GB/s). Before each operation, untimed: ``os.sync()`` (nothing pays for another's unsynced files), every file
 written so far dropped from the page cache (``posix_fadvise``: every load reads from the disk, as a resume after a
 restart does, and no load finds its files cached while another's were written behind), and --settle seconds.
+``--overwrite``: every round saves over the previous round's files instead (the setup that favours the baselines
+here).
 
 Then, in fresh processes: ``python -m plugin checkpoint export`` of the plugin's checkpoint against DeepSpeed's
 ``zero_to_fp32`` (``convert_zero_checkpoint_to_fp32_state_dict``, safetensors) of DeepSpeed's; time and peak RSS
 (``ru_maxrss`` of the child) minus the peak of a child that only imports torch (the baseline).
 
 Usage: python bench/checkpoint.py [--hidden 1536] [--layers 9] [--vocab 16384] [--zero 3] [--repeat 3] [--settle 6]
+[--overwrite]
 (about 8 minutes here at the defaults and 5.5 GB of memory per rank, 11 GB in all: on a shared 23 GB machine
 another job can get it OOM-killed; --hidden 1024 --layers 8 --vocab 8192: 0.44 GiB, about 2 GB per rank)
 """
@@ -90,7 +93,7 @@ def _timed_rounds(saves: dict, loads: dict, repeat: int, tmp: Path, settle: floa
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def _rank(rank, world, port, recipe_path, tmp, repeat, settle, out):
+def _rank(rank, world, port, recipe_path, tmp, repeat, settle, overwrite, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
                       DS_ACCELERATOR="cpu")
@@ -114,13 +117,16 @@ def _rank(rank, world, port, recipe_path, tmp, repeat, settle, out):
            for n, e in state.entries.items() for p in e.pieces}
     nbytes = sum(t.numel() * t.element_size() for t in raw.values())
     res = {"bytes": nbytes}
+    def r(i):  # --overwrite: every round writes over the previous round's files
+        return "r0" if overwrite else f"r{i}"
+
     res.update(_timed_rounds({
-        "plugin_save": lambda i: engine.save(f"{tmp}/plugin/r{i}"),
-        "dcp_save": lambda i: dcp.save(raw, checkpoint_id=f"{tmp}/dcp/r{i}"),
-        "ds_save": lambda i: engine.ds.save_checkpoint(f"{tmp}/ds", tag=f"r{i}")}, {
-        "plugin_load": lambda i: engine.load(f"{tmp}/plugin/r{i}"),
-        "dcp_load": lambda i: dcp.load(raw, checkpoint_id=f"{tmp}/dcp/r{i}"),
-        "ds_load": lambda i: engine.ds.load_checkpoint(f"{tmp}/ds", tag=f"r{i}")}, repeat, Path(tmp), settle))
+        "plugin_save": lambda i: engine.save(f"{tmp}/plugin/{r(i)}"),
+        "dcp_save": lambda i: dcp.save(raw, checkpoint_id=f"{tmp}/dcp/{r(i)}"),
+        "ds_save": lambda i: engine.ds.save_checkpoint(f"{tmp}/ds", tag=r(i))}, {
+        "plugin_load": lambda i: engine.load(f"{tmp}/plugin/{r(i)}"),
+        "dcp_load": lambda i: dcp.load(raw, checkpoint_id=f"{tmp}/dcp/{r(i)}"),
+        "ds_load": lambda i: engine.ds.load_checkpoint(f"{tmp}/ds", tag=r(i))}, repeat, Path(tmp), settle))
     Path(out, f"{rank}.json").write_text(json.dumps(res))
     engine.close()
 
@@ -144,6 +150,9 @@ def main():
     p.add_argument("--zero", type=int, default=3)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--settle", type=float, default=6.0, help="seconds of rest before each timed operation")
+    p.add_argument("--overwrite", action="store_true",
+                   help="every round saves over the previous round's files (DeepSpeed's tag, DCP's directory, the "
+                        "plugin's step): the baselines reuse the pages their truncation frees")
     args = p.parse_args()
     import torch.multiprocessing as mp
 
@@ -153,9 +162,10 @@ def main():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(_rank, args=(2, port, str(recipe), str(tmp), args.repeat, args.settle, out), nprocs=2, join=True)
+        mp.spawn(_rank, args=(2, port, str(recipe), str(tmp), args.repeat, args.settle, args.overwrite, out),
+                 nprocs=2, join=True)
         ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(2)]
-        last = f"r{args.repeat - 1}"
+        last = "r0" if args.overwrite else f"r{args.repeat - 1}"
         base_t, base = _child_peak("import torch, safetensors")
         os.sync()
         drop_cache(tmp)
