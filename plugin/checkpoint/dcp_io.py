@@ -226,8 +226,9 @@ class SafeReader(FileSystemReader):
 class ReadAhead:
     """Asks the kernel for the next items' bytes (``posix_fadvise(WILLNEED)``: reads started, not waited for)
     while the current one is checked and copied, up to ``window`` bytes ahead: a load reads the disk and computes
-    at once (the kernel's own read-ahead, 128 KiB here, keeps little in flight). Exactly the items this rank reads:
-    a resharding load may need only part of a file."""
+    at once. The kernel's own read-ahead (up to 8 MiB on this disk, ``read_ahead_kb``) left the load at a quarter
+    of that speed here: 700 MB read cold in 1.86 s without, 0.48 s with (medians of 3). Exactly the items this rank
+    reads: a resharding load may need only part of a file."""
 
     def __init__(self, fd: int, spans: list[tuple[int, int]], window: int = 64 << 20):
         self.fd, self.spans, self.window, self._next = fd, spans, window, 0
