@@ -42,7 +42,7 @@ from torch.futures import Future
 
 from ..errors import PluginError
 from .boxes import Entry, box
-from .digest import digest
+from .checksum import digest
 from .items import item_tensor
 
 ROW_MAJOR = "torch.save of row-major tensors"  # the manifest's item_format: :mod:`.items` may view the bytes

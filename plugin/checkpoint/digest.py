@@ -19,10 +19,9 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from .checksum import ALGORITHMS, Hasher, default_algorithm, digest
+from .checksum import Hasher
 from .writeback import WriteBehind
 
-__all__ = ["ALGORITHMS", "Hasher", "SummingFileSystem", "default_algorithm", "digest", "file_record"]
 
 class _SummingStream(io.RawIOBase):
     """A binary file opened for writing whose bytes are hashed, the hash cut at every ``tell()``, and written

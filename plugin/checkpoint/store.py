@@ -24,8 +24,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from .boxes import LocalState
+from .checksum import default_algorithm
 from .dcp_io import ROW_MAJOR, CheckpointError, PieceLoadPlanner, PieceSavePlanner, SafeReader
-from .digest import SummingFileSystem, default_algorithm, file_record
+from .digest import SummingFileSystem, file_record
 from .directory import LATEST, MANIFEST, drop_later_steps, fsync_dir, prune, resolve, step_name, write_atomic
 from .manifest import FORMAT, VERSION, check_files, read_manifest
 

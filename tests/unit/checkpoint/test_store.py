@@ -21,8 +21,8 @@ from plugin.checkpoint.boxes import (
     tp_segments,
     whole_held,
 )
+from plugin.checkpoint.checksum import digest
 from plugin.checkpoint.dcp_io import CheckpointError, read_metadata_file
-from plugin.checkpoint.digest import digest
 from plugin.checkpoint.directory import MANIFEST, resolve, settle
 from plugin.checkpoint.manifest import model_problems
 from plugin.checkpoint.store import load, open_checkpoint, save

@@ -9,9 +9,8 @@ import tracemalloc
 import pytest
 import torch
 
-from plugin.checkpoint.checksum import Hasher
+from plugin.checkpoint.checksum import Hasher, digest
 from plugin.checkpoint.dcp_io import read_metadata_file
-from plugin.checkpoint.digest import digest
 from plugin.checkpoint.manifest import read_manifest
 from plugin.checkpoint.verify import item_names, verify
 from plugin.cli.main import main
