@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import EXIT_INVALID, EXIT_OK, EXIT_USAGE, add_world_size, load_or_report, needs_world_size
+from .common import EXIT_INVALID, EXIT_OK, EXIT_USAGE, add_world_size, load_or_report, needs_world_size, print_problems
 
 
 def register(sub) -> None:
@@ -37,7 +37,10 @@ def run(args) -> int:
     if needs_world_size(recipe, args.world_size, f"{what} depends on it"):
         return EXIT_INVALID
     if args.to == "deepspeed":
+        from ..interop.deepspeed_scheduler import scheduler_differences
+
         text = json.dumps(to_ds_config(recipe, args.world_size), indent=2) + "\n"
+        print_problems(p.with_file(recipe.source) for p in scheduler_differences(recipe))
     else:
         text = to_accelerate_config(recipe, args.world_size, cpu=args.cpu, deepspeed=args.deepspeed)
     if args.output:

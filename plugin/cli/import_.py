@@ -46,6 +46,7 @@ def run(args) -> int:
     if recipe is not None:
         problems += check_recipe(recipe, args.world_size)
     problems = parse_problems + _optimizer_warnings(cfg, args.ds_config) + _precision_warnings(cfg, args.ds_config) + \
+        _scheduler_warnings(data, recipe, args.ds_config) + \
         [p if p.file else p.with_file(args.ds_config) for p in problems]
     print_problems(problems)
     text = json.dumps(data, indent=2) + "\n"
@@ -77,3 +78,17 @@ def _optimizer_warnings(cfg: dict, file: str) -> list[Problem]:
     return [Problem(f"$.optimizer.params.{k}", '"auto" (the Hugging Face Trainer fills it in): the recipe takes '
                     "DeepSpeed's default instead", f"set $.optimizer.{k} in the recipe to the value you train with",
                     WARNING, file) for k, v in params.items() if v == "auto"]
+
+
+def _scheduler_warnings(data: dict, recipe, file: str) -> list[Problem]:
+    """A DeepSpeed scheduler read as the recipe's lr_schedule: the plugin's engines run the recipe's formula, which
+    differs from DeepSpeed's class by a step or two (plugin.interop.deepspeed_scheduler)."""
+    if recipe is None or "lr_schedule" not in data:
+        return []
+    from ..interop.deepspeed_scheduler import scheduler_differences
+
+    return [Problem("$.scheduler", "read as the recipe's lr_schedule, which the plugin's engines apply as the recipe "
+                    "defines it, not as DeepSpeed's class runs it: " + "; ".join(p.message for p in
+                                                                            scheduler_differences(recipe)),
+                    "check $.lr_schedule in the recipe (or keep the block raw under $.deepspeed.scheduler, for the "
+                    "DeepSpeed back end only)", WARNING, file)]

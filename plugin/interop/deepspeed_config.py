@@ -15,6 +15,7 @@ from typing import Any
 
 from ..recipe.deepspeed_block import ACTIVATION_PARTITION_KEYS, activations_split_over_tensor, ds_optimizer
 from ..recipe.spec import thaw
+from .deepspeed_scheduler import from_ds_scheduler, to_ds_scheduler
 
 # deepspeed.runtime.constants.GRADIENT_CLIPPING_DEFAULT (tests pin it against the installed DeepSpeed).
 DEEPSPEED_DEFAULT_GRADIENT_CLIPPING = 1.0
@@ -49,6 +50,9 @@ def recipe_ds_config(recipe, layout) -> dict:
                             "loss_scale_window": scale.loss_scale_window, "hysteresis": scale.hysteresis,
                             "min_loss_scale": scale.min_loss_scale})
     cfg["optimizer"] = ds_optimizer(recipe.optimizer)
+    scheduler = to_ds_scheduler(recipe)  # DeepSpeed's nearest to the recipe's lr_schedule (deepspeed_scheduler.py)
+    if scheduler is not None:
+        cfg["scheduler"] = scheduler
     if recipe.optimizer.name == "sgd" and z.stage >= 1:
         cfg["zero_allow_untested_optimizer"] = True  # DeepSpeed asserts on torch.optim.SGD under ZeRO without it
     if layout.pipeline > 1:
@@ -172,6 +176,7 @@ def from_ds_config(cfg: Mapping, world_size: int | None = None, name: str = "imp
         if rest.get(k) == {}:
             rest.pop(k)
     _import_optimizer(rest, recipe)
+    _import_scheduler(rest, recipe)
     clip = _pop(rest, "gradient_clipping")
     # A config without the key clips at DeepSpeed's own default; the recipe says so explicitly.
     recipe["gradient_clipping"] = clip if _given(clip) else DEEPSPEED_DEFAULT_GRADIENT_CLIPPING
@@ -205,3 +210,19 @@ def _import_optimizer(rest: dict, recipe: dict) -> None:
     if meaning["name"] == "sgd" and rest.get("zero_allow_untested_optimizer") is True \
             and (recipe.get("zero") or {}).get("stage", 0) >= 1:
         rest.pop("zero_allow_untested_optimizer")  # the recipe writes it for SGD under ZeRO
+
+
+def _import_scheduler(rest: dict, recipe: dict) -> None:
+    """Move a WarmupLR / WarmupDecayLR / WarmupCosineLR block with a linear warmup into ``recipe["lr_schedule"]``
+    (:func:`.deepspeed_scheduler.from_ds_scheduler`; its peak becomes the optimizer's lr); any other stays raw."""
+    section = rest.get("scheduler")
+    if section is None:
+        return
+    lr = (recipe.get("optimizer") or {}).get("lr", 1e-3)
+    schedule, peak = from_ds_scheduler(section, lr)
+    if schedule is None:
+        return
+    recipe["lr_schedule"] = schedule
+    if peak is not None and peak != lr:
+        recipe.setdefault("optimizer", {})["lr"] = peak
+    rest.pop("scheduler")

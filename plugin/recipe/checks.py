@@ -192,6 +192,31 @@ def check_precision_and_optimizer(recipe: Recipe, layout: Layout | None) -> Prob
                       "drop it, or use betas[0] for Adam's momentum", WARNING)
 
 
+def check_lr_schedule(recipe: Recipe, layout: Layout | None) -> Problems:
+    """The schedule's steps in order, its floor under the peak, and one scheduler only (the plugin's or DeepSpeed's)."""
+    s, lr = recipe.lr_schedule, recipe.optimizer.lr
+    if s is None:
+        return
+    if s.decay != "constant" and s.decay_steps is None:
+        yield Problem("$.lr_schedule.decay_steps", f'"decay": "{s.decay}" needs the step where it reaches min_lr',
+                      f'add "decay_steps": the step the {s.decay} decay ends at (e.g. your run\'s --steps)')
+    elif s.decay_steps is not None and s.decay_steps < s.warmup_steps:
+        yield Problem("$.lr_schedule.decay_steps", f"decay_steps {s.decay_steps} < warmup_steps {s.warmup_steps}: "
+                      "the decay would end before the warmup does",
+                      f'use "decay_steps" >= {s.warmup_steps}, or fewer "warmup_steps"')
+    if s.min_lr > lr:
+        yield Problem("$.lr_schedule.min_lr", f"min_lr {s.min_lr:g} > the optimizer's lr {lr:g}: the decay would "
+                      "raise the learning rate", f'use "min_lr" <= {lr:g} (e.g. {lr / 10:g}), or a larger lr')
+    if s.decay == "constant" and (s.decay_steps is not None or s.min_lr):
+        yield Problem("$.lr_schedule.decay", '"decay": "constant" keeps the optimizer\'s lr after the warmup: '
+                      "decay_steps and min_lr are ignored", 'set "decay": "linear" or "cosine", or drop them', WARNING)
+    if recipe.deepspeed is not None and "scheduler" in recipe.deepspeed:
+        yield Problem("$.deepspeed.scheduler", "the recipe has an lr_schedule, which the plugin applies on every back "
+                      "end; a raw DeepSpeed scheduler would set the learning rate a second time",
+                      "drop $.deepspeed.scheduler (or $.lr_schedule to keep DeepSpeed's, on the DeepSpeed back end "
+                      "only)")
+
+
 def check_cluster(recipe: Recipe, layout: Layout | None) -> Problems:
     c = recipe.cluster
     if c is None:
@@ -227,8 +252,8 @@ def check_name(recipe: Recipe, layout: Layout | None) -> Problems:
 
 
 RULES = (check_zero, check_batch_and_world, check_model_dims, check_tensor_parallel, check_pipeline,
-         check_activation_checkpointing, check_native_back_end, check_precision_and_optimizer, check_cluster,
-         check_name, check_deepspeed_block)
+         check_activation_checkpointing, check_native_back_end, check_precision_and_optimizer, check_lr_schedule,
+         check_cluster, check_name, check_deepspeed_block)
 
 
 def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]:

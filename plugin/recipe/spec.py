@@ -96,6 +96,17 @@ class Optimizer:
 
 
 @dataclass(frozen=True)
+class LRSchedule:
+    """The learning rate of each optimizer step (:mod:`plugin.recipe.lr_schedule` holds the formula): linear warmup
+    from 0 over ``warmup_steps``, then ``decay`` (``constant``, ``linear`` or ``cosine``) from the optimizer's
+    ``lr`` at step ``warmup_steps`` to ``min_lr`` at step ``decay_steps``, then ``min_lr``."""
+    warmup_steps: int = 0
+    decay: str = "constant"
+    decay_steps: int | None = None
+    min_lr: float = 0.0
+
+
+@dataclass(frozen=True)
 class Model:
     layers: int
     hidden: int
@@ -135,6 +146,7 @@ class Recipe:
     precision: str = "fp32"
     fp16: LossScale | None = None
     optimizer: Optimizer = Optimizer()
+    lr_schedule: LRSchedule | None = None
     gradient_clipping: float = 1.0
     model: Model | None = None
     cluster: Cluster | None = None
