@@ -8,11 +8,12 @@
 
 Data: byte-level text of Python's standard library (no download), or with --data your local text / JSONL /
 Parquet files (--tokenizer DIR for a tokenizer.json), packed into seq_len windows; the same global batch at step
-i whatever the layout, and --save keeps the data position for --resume. Rank 0 shows progress, writes --metrics
-as JSON lines and prints a summary.
+i whatever the layout, and --save keeps the data position for --resume. Rank 0 shows each step (loss, lr, gradient
+norm, tokens/s, MFU, memory, ETA: one live line on a terminal, a line every --log-every steps otherwise), writes
+--metrics as JSON lines and --tensorboard scalars, evaluates on held-out windows every --eval-every steps and at the
+end, and prints a summary. DeepSpeed's own log lines stay out of the console unless --verbose.
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,6 +26,10 @@ from plugin.checkpoint.directory import complete_steps
 from plugin.data.text import TextBatches
 from plugin.errors import PluginError, RecipeError
 from plugin.launch.launcher import check_train_script
+from plugin.monitor import tensorboard
+from plugin.monitor.console import Console
+from plugin.monitor.metrics import MetricsFile
+from plugin.monitor.quiet import quiet_engines
 from plugin.tensor_parallel.random import offset_default_stream_by_stage
 
 
@@ -36,8 +41,19 @@ def parse_args(argv=None):
     p.add_argument("--init", choices=["meta", "eager"], default="meta",
                    help="meta (default): build on the meta device, each rank materialises only what it holds; "
                         "eager: build the whole model on every rank first (the same values)")
-    p.add_argument("--metrics", help="rank 0 writes {step, loss, tokens_per_s} JSON lines here; "
-                   "a path with {rank} in it: every rank writes its own")
+    p.add_argument("--metrics", help="rank 0 writes JSON lines here: step, loss, tokens_per_s, lr, grad_norm, tokens, "
+                   "step_time_s, memory_gb, mfu (and eval_loss on evaluation steps); a path with {rank} in it: every "
+                   "rank writes its own")
+    p.add_argument("--eval-every", type=int, metavar="N", help="evaluate on held-out windows every N steps (and "
+                   "always after the last step)")
+    p.add_argument("--eval-batches", type=int, default=4, metavar="K",
+                   help="held-out global batches per evaluation (default 4)")
+    p.add_argument("--tensorboard", metavar="DIR", help="rank 0 writes TensorBoard scalars (and the recipe and "
+                   "layout as text) to DIR (pip install 'parallel-recipe[monitor]')")
+    p.add_argument("--log-every", type=int, metavar="N", help="without a terminal, print a line every N steps "
+                   "(default: every tenth of the run)")
+    p.add_argument("--verbose", action="store_true", help="keep the engines' own log lines (DeepSpeed's INFO and "
+                   "WARNING lines and prints) in the output")
     p.add_argument("--save", metavar="DIR", help="save a checkpoint there after the last step "
                    "(DIR/step-00000050, DIR/latest)")
     p.add_argument("--save-every", type=int, metavar="N", help="also save every N steps (needs --save)")
@@ -87,23 +103,21 @@ def build_model(name, dims):
     return build_hf_model(name, dims)
 
 
-class Progress:
-    """A one-line progress bar on a terminal, a line every tenth of the run otherwise (rank 0 only)."""
+def held_out_batches(engine, data, windows, count: int) -> list:
+    """``count`` global batches nobody trains on (fewer if the held-out windows run out): the last tenth of the
+    standard library's text, or of --data's windows (the training windows when the held-out part is smaller than
+    one global batch). The same rows on every layout; each rank takes its share."""
+    rows = engine.layout.global_batch
+    if windows is None:
+        return [data.global_batch(i, rows, split="eval") for i in range(count)]
+    held = windows[1] if len(windows[1]) >= rows else windows[0]
+    return [{"input_ids": w, "labels": w} for w in (held.windows[i * rows:(i + 1) * rows]
+                                                     for i in range(min(count, len(held) // rows)))]
 
-    def __init__(self, total, start, enabled):
-        self.total, self.start, self.enabled = total, start, enabled
-        self.tty = sys.stderr.isatty()
 
-    def update(self, step, loss, tokens_per_s):
-        if not self.enabled:
-            return
-        done = (step - self.start) / max(1, self.total - self.start)
-        text = f"step {step}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s"
-        if self.tty:
-            bar = "#" * int(30 * done)
-            print(f"\r[{bar:<30}] {text}", end="" if step < self.total else "\n", file=sys.stderr, flush=True)
-        elif step == self.total or (step - self.start) % max(1, (self.total - self.start) // 10) == 0:
-            print(text, file=sys.stderr, flush=True)
+def evaluate(engine, batches) -> float:
+    """The mean loss over the held-out batches (each one global batch's mean)."""
+    return sum(engine.eval_step(b) for b in batches) / len(batches)
 
 
 def main(argv=None):
@@ -111,9 +125,17 @@ def main(argv=None):
     if (args.save_every or args.keep) and not args.save:  # before any process group: every rank exits alike
         print("--save-every and --keep need --save DIR", file=sys.stderr)
         return 2
-    if (args.save_every is not None and args.save_every < 1) or (args.keep is not None and args.keep < 1):
-        print("--save-every and --keep take a number of at least 1", file=sys.stderr)
+    counts = {"--save-every": args.save_every, "--keep": args.keep, "--eval-every": args.eval_every,
+              "--eval-batches": args.eval_batches, "--log-every": args.log_every}
+    if any(v is not None and v < 1 for v in counts.values()):
+        print(f"{', '.join(k for k, v in counts.items() if v is not None and v < 1)}: take a number of at least 1",
+              file=sys.stderr)
         return 2
+    if args.tensorboard and tensorboard.missing():  # before any process group: every rank exits alike
+        print(tensorboard.missing(), file=sys.stderr)
+        return 2
+    if not args.verbose:
+        quiet_engines()  # DeepSpeed's INFO/WARNING lines and prints stay out of the console
     if args.save and not args.resume:  # a fresh run's first save would drop a higher step of the run already there
         held = complete_steps(Path(args.save))
         if held:
@@ -181,48 +203,48 @@ def main(argv=None):
     if windows is not None:
         stream = loader.stream()
         next_batch = lambda step: next(stream)  # noqa: E731
-        evaluation = windows[1] if len(windows[1]) >= engine.layout.global_batch else windows[0]
-        rows = evaluation.windows[:engine.layout.global_batch]  # the whole global batch; each rank takes its share
-        eval_batch = {"input_ids": rows, "labels": rows}
     else:
         next_batch = lambda step: data.global_batch(step, engine.layout.global_batch)  # noqa: E731
-        eval_batch = None
+    held_out = held_out_batches(engine, data, windows, args.eval_batches)
 
     def save_kwargs():  # the data position travels in the checkpoint, so --resume continues where it stopped
         return {"keep": args.keep, "client_state": {"data": loader.state_dict()} if windows is not None else None}
     main_rank = engine.is_main
     metrics = None
     if args.metrics and (main_rank or "{rank}" in args.metrics):
-        metrics = open(args.metrics.replace("{rank}", str(engine.rank)), "a" if args.resume else "w")
-    progress = Progress(args.steps, start, main_rank)
-    tokens = engine.layout.global_batch * recipe.model.seq_len
-    losses, t0 = [], time.perf_counter()
+        metrics = MetricsFile(args.metrics, engine.rank, append=bool(args.resume))
+    board = tensorboard.TensorBoard(args.tensorboard, recipe, engine.describe()) if args.tensorboard and main_rank \
+        else None
+    console = Console(args.steps, start, enabled=main_rank, log_every=args.log_every)
+    losses, eval_loss, t0 = [], None, time.perf_counter()
     for step in range(start, args.steps):
-        t = time.perf_counter()
         loss = engine.train_step(next_batch(step))
-        tokens_per_s = tokens / (time.perf_counter() - t)
         losses.append(loss)
-        progress.update(step + 1, loss, tokens_per_s)
-        if metrics:
-            metrics.write(json.dumps({"step": step + 1, "loss": loss, "tokens_per_s": tokens_per_s}) + "\n")
-            metrics.flush()
-        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+        last = step + 1 == args.steps
+        evaluated = last or bool(args.eval_every and (step + 1) % args.eval_every == 0)
+        eval_loss = evaluate(engine, held_out) if evaluated else None
+        for out in (console, metrics, board):
+            if out is not None:
+                out.write(engine.last_step, eval_loss)
+        if args.save_every and (step + 1) % args.save_every == 0 and not last:
             engine.save(args.save, **save_kwargs())
     elapsed = time.perf_counter() - t0
+    console.close()
     if args.save:
         engine.save(args.save, **save_kwargs())
-    if eval_batch is None:
-        eval_batch = data.global_batch(0, engine.layout.global_batch, split="eval")
-    eval_loss = engine.eval_step(eval_batch)
+    if eval_loss is None:  # no step ran (resumed at --steps): still say how the model does
+        eval_loss = evaluate(engine, held_out)
     if main_rank and losses:
         lay = engine.layout
+        tokens = lay.global_batch * recipe.model.seq_len * len(losses)
         print(f"\ntrained {recipe.name} with {engine.backend}: data {lay.data} x tensor {lay.tensor} x pipeline "
               f"{lay.pipeline}, ZeRO-{recipe.zero.stage}, {recipe.precision}\n"
               f"  steps {start + 1}-{args.steps}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, eval loss {eval_loss:.4f}\n"
-              f"  {tokens * len(losses) / elapsed:,.0f} tokens/s over {elapsed:.1f} s"
+              f"  {tokens / elapsed:,.0f} tokens/s over {elapsed:.1f} s"
               + (f"; checkpoint in {args.save}" if args.save else ""), file=sys.stderr)
-    if metrics:
-        metrics.close()
+    for out in (metrics, board):
+        if out is not None:
+            out.close()
     engine.close()
     return 0
 

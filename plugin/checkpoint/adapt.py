@@ -187,8 +187,10 @@ def local_state(engine, *, for_load: bool, manifest: dict | None = None) -> Loca
 def save(engine, directory: str, client_state: dict | None = None, *, keep: int | None = None):
     state = local_state(engine, for_load=False)
     scaler = getattr(engine, "scaler", None)
+    schedule = getattr(engine, "lr_schedule", None)  # the recipe's lr_schedule: its position (the step count)
     state.scalars = {"step": engine.step_count, "client_state": dict(client_state or {}),
-                     "scaler": scaler.state_dict() if scaler is not None and hasattr(scaler, "state_dict") else None}
+                     "scaler": scaler.state_dict() if scaler is not None and hasattr(scaler, "state_dict") else None,
+                     "lr_schedule": schedule.state_dict() if schedule is not None else None}
     recipe = engine.recipe
     info = {"written_by": {"backend": engine.backend, "torch": torch.__version__},
             "layout": {**engine.describe(), "virtual_stages": getattr(engine, "virtual_stages", 1)},
@@ -225,6 +227,9 @@ def load(engine, directory: str) -> dict:
     same_kind = ((manifest.get("written_by") or {}).get("backend") == "deepspeed") == (engine.backend == "deepspeed")
     if scaler is not None and scalars.get("scaler") and same_kind and hasattr(scaler, "load_state_dict"):
         scaler.load_state_dict(scalars["scaler"])
+    schedule = getattr(engine, "lr_schedule", None)
+    if schedule is not None:  # a checkpoint written without a schedule resumes it at its step
+        schedule.load_state_dict(scalars.get("lr_schedule") or {"position": engine.step_count})
     return {"step": engine.step_count, **scalars.get("client_state", {})}
 
 

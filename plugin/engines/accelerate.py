@@ -66,7 +66,7 @@ class AccelerateEngine(Engine):
             model_dtype, _ = accelerator.deepspeed_engine_wrapped.engine.get_data_types()
             self.input_dtype = None if model_dtype == torch.float32 else model_dtype
 
-    def train_step(self, batch) -> float:
+    def _train_step(self, batch) -> float:
         acc, clip = self.accelerator, float(self.recipe.gradient_clipping)
         self.model.train()
         losses = []
@@ -74,13 +74,23 @@ class AccelerateEngine(Engine):
             with acc.accumulate(self.model):
                 loss = self.loss_fn(self.call_model(self.model, inputs), labels)
                 acc.backward(loss)  # divides by grad_accum (DeepSpeed: its own backward does)
-                if acc.sync_gradients and clip > 0 and self.mode != "deepspeed":  # DeepSpeed clips itself
-                    acc.clip_grad_norm_(self.model.parameters(), clip)
+                if acc.sync_gradients and self.mode != "deepspeed":  # DeepSpeed clips itself
+                    # torch's norm, returned; max_norm inf (no clipping) still measures it (its scale factor is 1)
+                    norm = acc.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+                    self.last_grad_norm = float(norm)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             losses.append(loss.detach().float())
         self.step_count += 1
         return self.mean_over_data(torch.stack(losses).mean())
+
+    def schedule_optimizer(self):
+        if self.mode == "deepspeed":
+            return self.ds.basic_optimizer  # the torch optimizer passed to prepare, stepped by DeepSpeed's wrappers
+        return getattr(self.optimizer, "optimizer", self.optimizer)  # inside Accelerate's wrapper
+
+    def grad_norm(self) -> float | None:
+        return self.ds.get_global_grad_norm() if self.mode == "deepspeed" else getattr(self, "last_grad_norm", None)
 
     @torch.no_grad()
     def eval_step(self, batch) -> float:

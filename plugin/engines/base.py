@@ -15,6 +15,10 @@ The data contract (:mod:`plugin.engines.data_contract`): the ranks of one model 
 must hold the same rows. Every back end reaches its batch through :meth:`Engine.local_batch` (directly, or
 through :meth:`Engine.micro_batches`), which checks it on every step of a layout with tensor or pipeline > 1,
 so one check covers them all. :meth:`Engine.dataloader` yields rows that keep it.
+
+What each step did is :attr:`Engine.last_step` (a :class:`plugin.monitor.record.StepReport`: loss, lr, the gradient
+norm the back end clipped with, tokens, time, memory, MFU): :meth:`Engine.train_step` wraps the back end's
+:meth:`Engine._train_step`, steps the recipe's ``lr_schedule`` (:mod:`plugin.engines.lr_schedule`) and measures.
 """
 from __future__ import annotations
 
@@ -55,6 +59,12 @@ class Engine(abc.ABC):
     # A transformers model: dict batches are passed as keyword arguments, with use_cache=False (initialize sets it)
     calls_with_kwargs: bool = False
     loss_fn: Callable | None = None
+    # The recipe's lr_schedule over schedule_optimizer() (plugin.engines.lr_schedule; initialize sets it), and what the
+    # last train_step did (plugin.monitor.record.StepReport)
+    lr_schedule = None
+    last_step = None
+    _step_tokens: int = 0
+    _meter = None
 
     def __init__(self, recipe, layout, topology, groups, module: torch.nn.Module, device: torch.device):
         self.recipe = recipe
@@ -66,9 +76,25 @@ class Engine(abc.ABC):
         self.step_count = 0
 
     # ------------------------------------------------------------------ the public interface
-    @abc.abstractmethod
     def train_step(self, batch) -> float:
-        """One optimizer step over ``batch``; returns the global batch's mean loss (equal on every rank)."""
+        """One optimizer step over ``batch``; returns the global batch's mean loss (equal on every rank).
+
+        The back end's :meth:`_train_step` runs the step; then the recipe's ``lr_schedule`` moves to the next step and
+        :attr:`last_step` records what this one did (one small all-reduce for the largest memory of any rank)."""
+        start = time.perf_counter()
+        lr = self.current_lr()  # what this step's update uses: the schedule set it after the previous step
+        loss = self._train_step(batch)
+        seconds = time.perf_counter() - start
+        if self.lr_schedule is not None:
+            self.lr_schedule.step()
+        norm = self.grad_norm()
+        self.last_step = self.meter.report(step=self.step_count, loss=loss, lr=lr, seconds=seconds,
+                                           grad_norm=None if norm is None else float(norm), tokens=self._step_tokens)
+        return loss
+
+    def _train_step(self, batch) -> float:
+        """The back end's step (:meth:`train_step` without the schedule and the report)."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def eval_step(self, batch) -> float:
@@ -94,6 +120,27 @@ class Engine(abc.ABC):
             dist.barrier()
             time.sleep(0.1)  # let gloo's workers drop the finished works' tensors first (see above)
             dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ what a step reports
+    def schedule_optimizer(self):
+        """The torch optimizer whose param groups' ``lr`` the update reads (the lr schedule sets it there)."""
+        return None
+
+    def current_lr(self) -> float | None:
+        opt = self.schedule_optimizer()
+        return float(opt.param_groups[0]["lr"]) if opt is not None and opt.param_groups else None
+
+    def grad_norm(self) -> float | None:
+        """The global gradient norm before clipping that the back end computed for its last step (None: none)."""
+        return getattr(self, "last_grad_norm", None)
+
+    @property
+    def meter(self):
+        if self._meter is None:
+            from ..monitor.meter import StepMeter
+
+            self._meter = StepMeter(self.recipe, self.device, self.topology.world_size)
+        return self._meter
 
     # ------------------------------------------------------------------ shared helpers
     @property
@@ -216,6 +263,7 @@ class Engine(abc.ABC):
                             global_rows=lay.global_batch, local_rows=local_rows, device=self.device)
         if wrong:
             raise ValueError(wrong)
+        self._step_tokens = whole.numel() if whole is not None else labels.numel() * lay.data  # the global batch's
         self.prepare_loss(labels, convention, whole, inputs=inputs if call == "train_step" else None)
         return self.to_inputs(inputs), labels
 

@@ -213,6 +213,9 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
                                 layers_of=layers_of, apply_tp=apply_tp, loss_for=loss_for,
                                 seed=_seed(seed, weights), units=tuple(units), weights=source))
     _check_nothing_left_on_meta(engine)
+    from .lr_schedule import build_lr_schedule
+
+    engine.lr_schedule = build_lr_schedule(engine.schedule_optimizer(), recipe)  # one LambdaLR, every back end
     engine.model_index, engine.tp_layouts, engine.whole_model = index, tp_layouts, model
     from ..models.hf_stages import is_hf_model
 

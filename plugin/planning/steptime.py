@@ -71,6 +71,7 @@ HARDWARE = {
     "h100": Hardware(),
     "a100": Hardware(name="A100 SXM", peak_flops=312e12, intra_node_bw=300e9, inter_node_bw=25e9,
                      hbm_bw=2.0e12),
+    "h200": Hardware(name="H200 SXM", hbm_bw=4.8e12),  # H100's compute and NVLink, faster HBM3e
 }
 
 

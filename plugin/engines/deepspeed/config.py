@@ -57,6 +57,8 @@ ENGINE_ADJUSTED_KEYS = {
     "optimizer": "dropped: the engine passes torch's optimizer, built from the recipe's optimizer with the same "
                  "hyperparameters (kept only where DeepSpeed's CPUAdam steps an offloaded Adam on CUDA)",
     "zero_force_ds_cpu_optimizer": "false where ZeRO-Offload steps torch's optimizer (DeepSpeed refuses it otherwise)",
+    "scheduler": "dropped where the recipe has an lr_schedule: the plugin's LambdaLR sets the lr on every back end "
+                 "(plugin/engines/lr_schedule.py); the export's block is DeepSpeed's nearest, not the same",
     "steps_per_print": "2**31 - 1 unless the recipe's deepspeed block sets it: no DeepSpeed log line per step",
     "zero_optimization.reduce_bucket_size": "capped at the parameters this rank holds, at ZeRO-3 at its share "
                                             "(or the largest parameter) (DeepSpeed's 5e8 default allocates 2 GB "
@@ -80,6 +82,8 @@ def engine_config(recipe, world_size: int, *, use_ds_optimizer: bool, numels: tu
         cfg.pop("optimizer", None)
         if recipe.zero.offload_optimizer != "none":
             cfg.setdefault("zero_force_ds_cpu_optimizer", False)
+    if recipe.lr_schedule is not None:
+        cfg.pop("scheduler", None)
     if "steps_per_print" not in raw:
         cfg["steps_per_print"] = 2 ** 31 - 1
     return cfg

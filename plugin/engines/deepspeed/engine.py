@@ -53,6 +53,7 @@ from ..precision import compute_dtype
 from ..shm import release_shm_buffer
 from . import state, tied
 from .config import engine_config
+from .grad_norm import keep_grad_norm
 from .optimizer import choose_optimizer
 
 
@@ -104,7 +105,7 @@ class DeepSpeedEngine(Engine):
         """The PipelineModule's micro-batches: ``(first stage's input, labels)`` each (:meth:`first_stage_input`)."""
         return [(self.first_stage_input(x), y) for x, y in self.micro_batches(batch)]
 
-    def train_step(self, batch) -> float:
+    def _train_step(self, batch) -> float:
         self.ds.train()
         if self.pipelined:
             loss = self.ds.train_batch(data_iter=iter(self.stage_micro_batches(batch)))
@@ -122,6 +123,12 @@ class DeepSpeedEngine(Engine):
             self.ds.step()
         self.step_count += 1
         return mean_loss()
+
+    def schedule_optimizer(self):
+        return self.ds.basic_optimizer  # the torch optimizer DeepSpeed's ZeRO / bf16 / fp16 wrappers step
+
+    def grad_norm(self) -> float | None:
+        return self.ds.get_global_grad_norm()  # the norm DeepSpeed clipped with (grad_norm.py: ZeRO-0 fp32 too)
 
     @torch.no_grad()
     def eval_step(self, batch) -> float:
@@ -271,6 +278,7 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
         optimizer, params = build_optimizer(module.parameters(), recipe.optimizer, fused=choice.fused), None
     ds_engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, model_parameters=params,
                                               config=config, mpu=mpu)
+    keep_grad_norm(ds_engine)
     if layout.pipeline > 1 and recipe.activation_checkpointing.interval > 0:
         # After initialize, which installs DeepSpeed's own checkpoint function: that one replays torch's and
         # DeepSpeed's generators but not the tensor-parallel dropout streams, so recomputed masks would differ.

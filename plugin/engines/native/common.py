@@ -113,6 +113,9 @@ class NativeEngine(Engine):
         self.dtype = compute_dtype(recipe)
         self.last_grad_norm: float | None = None
 
+    def schedule_optimizer(self):
+        return self.optimizer  # ZeroRedundancyOptimizer hands its groups' lr to the local optimizer at each step
+
     def autocast(self):
         """Autocast for engines that keep fp32 parameters (FSDP2 casts through its policy instead)."""
         if self.dtype is None or self.data_sharded:

@@ -55,7 +55,7 @@ class DataParallelEngine(NativeEngine):
         no_sync = getattr(self.wrapped, "no_sync", None)
         return contextlib.nullcontext() if last or no_sync is None else no_sync()
 
-    def train_step(self, batch) -> float:
+    def _train_step(self, batch) -> float:
         self.wrapped.train()
         micro = self.micro_batches(batch)
         losses = []

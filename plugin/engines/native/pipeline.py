@@ -113,7 +113,7 @@ class PipelineEngine(NativeEngine):
         dist.broadcast(loss, src=last, group=self.groups.pipeline_group)
         return float(loss.item())
 
-    def train_step(self, batch) -> float:
+    def _train_step(self, batch) -> float:
         loss = self._run(batch, train=True)
         self.tied.sum_grads()
         self.optimizer_step()
