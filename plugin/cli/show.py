@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import os
+import sys
 
-from .common import EXIT_INVALID, EXIT_OK, add_world_size, load_or_report, needs_world_size, print_json
+from .common import EXIT_INVALID, EXIT_OK, EXIT_USAGE, add_world_size, load_or_report, needs_world_size, print_json
 
 
 def register(sub) -> None:
@@ -13,6 +14,8 @@ def register(sub) -> None:
     p.add_argument("recipe", metavar="RECIPE")
     add_world_size(p)
     p.add_argument("--json", action="store_true", help="the same as JSON")
+    p.add_argument("--svg", metavar="FILE", help="also draw the rank map (nodes, GPUs, tensor groups, pipeline "
+                   "stages, data replicas, coloured by axis) as an SVG picture there")
     p.set_defaults(run=run)
 
 
@@ -34,6 +37,7 @@ def rank_rows(topology, gpus_per_node=None) -> list[dict]:
 
 def run(args) -> int:
     from ..distributed.topology import Topology
+    from ..recipe.lr_schedule import describe as describe_schedule
 
     recipe = load_or_report(args.recipe, args.world_size)
     if recipe is None:
@@ -53,8 +57,21 @@ def run(args) -> int:
         "sequence_parallel": recipe.tensor_parallel.sequence_parallel,
         "schedule": recipe.pipeline_parallel.schedule if layout.pipeline > 1 else None,
         "activation_checkpointing": _recompute_words(recipe.activation_checkpointing),
+        "lr_schedule": describe_schedule(recipe.lr_schedule, recipe.optimizer.lr),
         "launcher": recipe.launcher,
     }
+    if args.svg:
+        from ..monitor.rank_map import rank_map_svg
+
+        svg = rank_map_svg(Topology.from_recipe(recipe, args.world_size), gpus_per_node=gpn,
+                           title=f"rank map of {recipe.name}")
+        try:
+            with open(args.svg, "w", encoding="utf-8") as f:
+                f.write(svg)
+        except OSError as e:
+            print(f"show: --svg {args.svg}: cannot write: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"wrote {args.svg}", file=sys.stderr)
     if args.json:
         print_json({"resolved": resolved, "ranks": rows})
         return EXIT_OK

@@ -1,0 +1,257 @@
+"""The rank map as a picture (``python -m plugin show RECIPE --svg FILE``): which GPU of which node holds which tensor
+shard, pipeline stage and data replica. Pure: the SVG is written here, no torch, no drawing library.
+
+One panel per parallel axis of size > 1 (tensor, then any further axis such as context, then data, then pipeline: the
+rank order, fastest first), each the same grid of nodes (rows) x GPUs (cells), each cell coloured by the rank's
+coordinate on that axis. Where an axis's groups are runs of consecutive ranks (tensor groups; a further axis when
+every faster one has size 1) each group is outlined, in red and dashed where it crosses a node boundary. Axes are
+read from the topology generically (:func:`axes_of`): every ``Coord`` field with a ``<field>_size``, ordered by its
+stride in the rank, so an axis added to the topology appears without a change here.
+
+Up to 64 ranks each cell shows its rank and coordinate; up to 1024 the cells shrink (ranks on hover, as SVG titles);
+above 1024, each cell is a block of whole nodes (a block holding several coordinates of an axis is grey there).
+"""
+from __future__ import annotations
+
+import colorsys
+from dataclasses import dataclass
+from html import escape
+
+AXIS_NAMES = {"tp": "tensor", "cp": "context", "ep": "expert", "dp": "data", "pp": "pipeline"}
+AXIS_WORDS = {"tensor": "tensor rank", "context": "context rank", "expert": "expert rank", "data": "data replica",
+              "pipeline": "pipeline stage"}
+PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
+           "#86bcb6"]
+MIXED = "#d9d9d9"
+MAX_CELLS = 1024
+
+
+@dataclass(frozen=True)
+class Axis:
+    field: str  # the Coord field: tp, dp, pp, cp...
+    name: str  # the recipe's word: tensor, data, pipeline, context...
+    size: int
+    stride: int  # rank distance between neighbours on this axis
+
+
+def axes_of(topology) -> list[Axis]:
+    """Every axis of ``topology`` (a :class:`plugin.distributed.topology.Topology`), fastest first.
+
+    >>> from plugin.distributed.topology import Topology
+    >>> [(a.name, a.size, a.stride) for a in axes_of(Topology(pp_size=2, dp_size=4, tp_size=2))]
+    [('tensor', 2, 1), ('data', 4, 2), ('pipeline', 2, 8)]
+    """
+    fields = type(topology.coord(0))._fields
+    out = []
+    for f in fields:
+        size = getattr(topology, f"{f}_size", 1)
+        stride = next((r for r in range(1, topology.world_size) if getattr(topology.coord(r), f) == 1), 0) \
+            if size > 1 else 0
+        out.append(Axis(f, AXIS_NAMES.get(f, f), size, stride))
+    return sorted(out, key=lambda a: (a.stride if a.size > 1 else 1 << 60, fields.index(a.field)))
+
+
+def colour(index: int, size: int) -> str:
+    """A distinct colour per coordinate: a 10-colour palette, hues around the circle beyond that."""
+    if size <= len(PALETTE):
+        return PALETTE[index % len(PALETTE)]
+    r, g, b = colorsys.hls_to_rgb(index / size, 0.48 if index % 2 else 0.64, 0.62)
+    return f"#{round(r * 255):02x}{round(g * 255):02x}{round(b * 255):02x}"
+
+
+ROWS_PER_COLUMN = 16  # node rows stacked before the next column of rows starts
+LABEL_W, GAP, COLUMN_GAP = 70, 4, 18
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """Where each cell goes: rows of ``cols`` cells (a node's GPUs, or blocks of nodes), stacked ``ROWS_PER_COLUMN``
+    high, then side by side."""
+
+    world: int
+    per_node: int
+    block: int  # ranks per cell
+    cols: int  # cells per row
+    rows: int
+    cell: int  # pixels
+    text: bool
+
+    @property
+    def label_w(self) -> int:
+        return LABEL_W if self.block == 1 else LABEL_W + 34  # "nodes 176-183"
+
+    @property
+    def step(self) -> int:
+        return self.cell + GAP
+
+    @property
+    def stack(self) -> int:
+        return min(self.rows, ROWS_PER_COLUMN)
+
+    @property
+    def column_w(self) -> int:
+        return self.label_w + self.cols * self.step + COLUMN_GAP
+
+    @property
+    def width(self) -> int:
+        return -(-self.rows // ROWS_PER_COLUMN) * self.column_w
+
+    @property
+    def height(self) -> int:
+        return self.stack * self.step
+
+    def row_origin(self, row: int) -> tuple[int, int]:
+        """(x of the row's label, y) of a row, relative to the panel's grid."""
+        return (row // ROWS_PER_COLUMN) * self.column_w, (row % ROWS_PER_COLUMN) * self.step
+
+    def place(self, rank: int) -> tuple[int, int]:
+        """(x, y) of the cell holding ``rank``, relative to the panel's grid."""
+        index = rank // self.block
+        x, y = self.row_origin(index // self.cols)
+        return x + self.label_w + (index % self.cols) * self.step, y
+
+
+def _grid(world: int, per_node: int) -> _Grid:
+    block = 1
+    if world > MAX_CELLS:  # whole nodes per cell
+        nodes_per_cell = -(-world // (MAX_CELLS * per_node))
+        block = nodes_per_cell * per_node
+    cells = -(-world // block)
+    cols = per_node if block == 1 else min(8, cells)
+    rows = -(-cells // cols)
+    cell = 44 if world <= 64 else 24 if world <= 256 else 16
+    return _Grid(world, per_node, block, cols, rows, cell, world <= 64)
+
+
+def rank_map_svg(topology, *, gpus_per_node: int | None = None, title: str = "") -> str:
+    """The SVG document (a string) of ``topology``'s rank map; ``gpus_per_node`` None assumes 8 (said in the title)."""
+    world = topology.world_size
+    assumed = gpus_per_node is None
+    per_node = min(gpus_per_node or 8, world)
+    axes = axes_of(topology)
+    shown = [a for a in axes if a.size > 1] or axes[:1]
+    grid = _grid(world, per_node)
+    nodes = -(-world // per_node)
+    pad = 16
+    panel_h = 24 + grid.height + 6 + 22 + 18
+    width = max(pad * 2 + grid.width, 640)
+    layout_words = " x ".join(f"{a.name} {a.size}" for a in reversed(axes))
+    head = [title or "rank map",
+            f"{layout_words} = {world} ranks on {nodes} node{'s' if nodes > 1 else ''} x {per_node} GPUs"
+            + (" (8 per node assumed: the recipe has no cluster block)" if assumed else ""),
+            "rank order: " + ", then ".join(a.name for a in axes if a.size > 1) + " (fastest first)"
+            if world > 1 else "one rank"]
+    if grid.block > 1:
+        head.append(f"aggregated: each cell is {grid.block // per_node} node(s), {grid.block} ranks")
+    top = pad + 20 * len(head) + 8
+    height = top + panel_h * len(shown) + pad
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           '<defs><pattern id="mixed" width="6" height="6" patternUnits="userSpaceOnUse" '
+           'patternTransform="rotate(45)"><rect width="6" height="6" fill="#eeeeee"/>'
+           '<line x1="0" y1="0" x2="0" y2="6" stroke="#bbbbbb" stroke-width="2"/></pattern></defs>']
+    for i, line in enumerate(head):
+        size, weight = (16, "bold") if i == 0 else (12, "normal")
+        out.append(f'<text x="{pad}" y="{pad + 14 + 20 * i}" font-size="{size}" font-weight="{weight}">'
+                   f"{escape(line)}</text>")
+    for k, axis in enumerate(shown):
+        out += _panel(topology, axis, axes, grid, pad, top + k * panel_h)
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def _coords(topology, ranks, axis: Axis) -> set[int]:
+    return {getattr(topology.coord(r), axis.field) for r in ranks}
+
+
+def _panel(topology, axis: Axis, axes: list[Axis], grid: _Grid, x0: int, y0: int) -> list:
+    word = AXIS_WORDS.get(axis.name, f"{axis.name} rank")
+    contiguous = axis.size > 1 and axis.stride == 1 and grid.block == 1
+    note = f"colour: {word}" + (f"; boxes: {axis.name} groups (red, dashed: across nodes)" if contiguous else "")
+    out = [f'<text x="{x0}" y="{y0 + 14}" font-size="13" font-weight="bold">{escape(axis.name)} {axis.size}</text>',
+           f'<text x="{x0 + 12 + 9 * len(axis.name) + 18}" y="{y0 + 14}" font-size="11" fill="#555">'
+           f"{escape(note)}</text>"]
+    gx, gy = x0, y0 + 24
+    for row in range(grid.rows):
+        first = row * grid.cols * grid.block
+        x, y = grid.row_origin(row)
+        if grid.block == 1:
+            label = f"node {first // grid.per_node}"
+        else:
+            last = min(grid.world, first + grid.cols * grid.block) // grid.per_node - 1
+            label = f"nodes {first // grid.per_node}-{last}"
+        out.append(f'<text x="{gx + x}" y="{gy + y + grid.cell / 2 + 4:.0f}" font-size="10" fill="#333">{label}</text>')
+    for start in range(0, grid.world, grid.block):
+        ranks = range(start, min(grid.world, start + grid.block))
+        x, y = grid.place(start)
+        x, y = gx + x, gy + y
+        values = _coords(topology, ranks, axis)
+        fill = colour(next(iter(values)), axis.size) if len(values) == 1 else "url(#mixed)"
+        coord = topology.coord(start)
+        if grid.block == 1:
+            tip = f"rank {start}: " + ", ".join(f"{a.name} {getattr(coord, a.field)}" for a in reversed(axes)
+                                                if a.size > 1)
+        else:
+            tip = f"ranks {start}-{ranks[-1]}: {axis.name} {_ranges(sorted(values))}"
+        out.append(f'<rect x="{x}" y="{y}" width="{grid.cell}" height="{grid.cell}" rx="3" fill="{fill}" '
+                   f'stroke="#666" stroke-width="0.5"><title>{escape(tip)}</title></rect>')
+        if grid.text:
+            out.append(f'<text x="{x + grid.cell / 2:.0f}" y="{y + 17}" font-size="12" text-anchor="middle" '
+                       f'fill="#111">{start}</text>')
+            out.append(f'<text x="{x + grid.cell / 2:.0f}" y="{y + 33}" font-size="10" text-anchor="middle" '
+                       f'fill="#222">{axis.field[0]}{getattr(coord, axis.field)}</text>')
+        elif grid.cell >= 24:
+            out.append(f'<text x="{x + grid.cell / 2:.0f}" y="{y + grid.cell / 2 + 3:.0f}" font-size="8" '
+                       f'text-anchor="middle" fill="#111">{start}</text>')
+    if contiguous:
+        out += _group_boxes(axis, grid, gx, gy)
+    out += _legend(axis, word, x0, gy + grid.height + 6, grid.block > 1)
+    return out
+
+
+def _ranges(values: list[int]) -> str:
+    """``0-3, 6`` for [0, 1, 2, 3, 6]."""
+    out, i = [], 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        out.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def _group_boxes(axis: Axis, grid: _Grid, gx: int, gy: int) -> list:
+    """An outline around each group of consecutive ranks, one per node row it covers."""
+    out = []
+    for g in range(0, grid.world, axis.size):
+        ranks = range(g, g + axis.size)
+        nodes = {r // grid.per_node for r in ranks}
+        style = 'stroke="#d62728" stroke-dasharray="5,3"' if len(nodes) > 1 else 'stroke="#222"'
+        for node in sorted(nodes):
+            mine = [r for r in ranks if r // grid.per_node == node]
+            x, y = grid.place(mine[0])
+            w = len(mine) * grid.step
+            out.append(f'<rect x="{gx + x - GAP / 2:.1f}" y="{gy + y - GAP / 2:.1f}" width="{w:.1f}" '
+                       f'height="{grid.step:.1f}" rx="5" fill="none" {style} stroke-width="2"/>')
+    return out
+
+
+def _legend(axis: Axis, word: str, x0: int, y: int, aggregated: bool) -> list:
+    out = []
+    shown = min(axis.size, 16)
+    x = x0
+    for i in range(shown):
+        label = f"{axis.field[0]}{i}"
+        out.append(f'<rect x="{x}" y="{y}" width="12" height="12" rx="2" fill="{colour(i, axis.size)}"/>')
+        out.append(f'<text x="{x + 16}" y="{y + 10}" font-size="10">{label}</text>')
+        x += 22 + 7 * len(label)
+    if axis.size > shown:
+        out.append(f'<text x="{x}" y="{y + 10}" font-size="10">... {axis.field[0]}{axis.size - 1} '
+                   f"({axis.size} {word}s)</text>")
+        x += 150
+    if aggregated:
+        out.append(f'<rect x="{x}" y="{y}" width="12" height="12" rx="2" fill="url(#mixed)" stroke="#999"/>')
+        out.append(f'<text x="{x + 16}" y="{y + 10}" font-size="10">several in one cell</text>')
+    return out
