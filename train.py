@@ -134,8 +134,6 @@ def main(argv=None):
     if args.tensorboard and tensorboard.missing():  # before any process group: every rank exits alike
         print(tensorboard.missing(), file=sys.stderr)
         return 2
-    if not args.verbose:
-        quiet_engines()  # DeepSpeed's INFO/WARNING lines and prints stay out of the console
     if args.save and not args.resume:  # a fresh run's first save would drop a higher step of the run already there
         held = complete_steps(Path(args.save))
         if held:
@@ -162,6 +160,8 @@ def main(argv=None):
         except PluginError as e:
             print(e, file=sys.stderr)
             return 2
+    if not args.verbose:
+        quiet_engines()  # DeepSpeed's INFO/WARNING lines and prints stay out of the console from here on
     torch.manual_seed(args.seed)  # --init eager: the same whole model on every rank (meta: seed= below)
     try:
         if args.init == "meta":  # each rank then materialises only what it holds (plugin.initialize)

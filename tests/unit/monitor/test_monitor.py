@@ -1,0 +1,199 @@
+"""The monitor room without processes: the step record and MFU, the console line, the metrics file, the chatter
+filter, TensorBoard, the plot and the rank map."""
+import io
+import json
+import logging
+import xml.etree.ElementTree as ET
+from typing import NamedTuple
+
+import pytest
+
+from plugin.distributed.topology import Topology
+from plugin.monitor.console import Console, step_line
+from plugin.monitor.metrics import MetricsFile, read_metrics
+from plugin.monitor.quiet import LineFilter, quiet_engines
+from plugin.monitor.rank_map import axes_of, rank_map_svg
+from plugin.monitor.record import METRIC_KEYS, StepReport, device_peak_flops, mfu, model_flops_per_token
+from plugin.recipe.checks import load_recipe
+
+
+def _report(step=3, **more):
+    values = dict(step=step, loss=3.25, lr=3e-4, grad_norm=0.75, tokens=1024, step_time_s=0.5, tokens_per_s=2048.0,
+                  memory_gb=1.5, mfu=None)
+    return StepReport(**{**values, **more})
+
+
+def test_the_record_and_mfu_are_the_planners():
+    assert list(_report().to_json()) == list(METRIC_KEYS)
+    from plugin.planning.for_recipe import setup_from_recipe, spec_from_recipe
+    from plugin.planning.steptime import model_flops_per_step
+
+    recipe = load_recipe("tp2_dp4")
+    per_token = model_flops_per_token(recipe)
+    setup = setup_from_recipe(recipe)
+    assert per_token * setup.global_batch * recipe.model.seq_len == pytest.approx(
+        model_flops_per_step(spec_from_recipe(recipe), setup))
+    peak = device_peak_flops("NVIDIA H200", "bf16")
+    assert peak == 989e12 and device_peak_flops("NVIDIA H100 80GB HBM3", "fp32") == 989e12 / 2
+    assert mfu(per_token, 10_000, 1.0, 8, peak) == pytest.approx(per_token * 1e4 / (8 * 989e12))
+    assert mfu(None, 1, 1.0, 1, peak) is None and mfu(per_token, 1, 1.0, 1, None) is None
+
+
+def test_the_console_line_and_when_it_is_printed():
+    line = step_line(_report(mfu=0.412), total=50, elapsed=65, eta=3725)
+    assert line == ("step 3/50  loss 3.2500  lr 3.00e-04  grad 0.75  2,048 tok/s  MFU 41.2%  mem 1.50 GB  0:01:05  "
+                    "ETA 1:02:05")
+    assert "MFU -" in step_line(_report(), 50, 0, None) and "ETA -" in step_line(_report(), 50, 0, None)
+    out = io.StringIO()  # not a terminal: a line every log_every steps and the last one, evaluations after theirs
+    console = Console(total=7, start=0, log_every=3, stream=out)
+    for s in range(1, 8):
+        console.write(_report(step=s), eval_loss=2.5 if s == 4 else None)
+    console.close()
+    steps = [line.split()[1] for line in out.getvalue().splitlines() if line.startswith("step ")]
+    assert steps == ["3/7", "6/7", "7/7"] and "eval at step 4: loss 2.5000" in out.getvalue()
+    quiet = io.StringIO()
+    Console(total=7, start=0, enabled=False, stream=quiet).write(_report())
+    assert quiet.getvalue() == ""
+
+
+def test_the_live_line_on_a_terminal():
+    out = io.StringIO()
+    console = Console(total=3, start=0, stream=out, live=True)
+    for s in range(1, 4):
+        console.write(_report(step=s), eval_loss=2.0 if s == 2 else None)
+    console.close()
+    text = out.getvalue()
+    assert "step 3/3" in text and "eval at step 2: loss 2.0000" in text
+    assert text.count("eval at step 2") == 1  # printed once, above the line, which is redrawn in place
+
+
+def test_metrics_file_writes_the_issues_keys(tmp_path):
+    path = tmp_path / "m-{rank}.jsonl"
+    m = MetricsFile(str(path), 3, append=False)
+    m.write(_report(step=1))
+    m.write(_report(step=2), eval_loss=2.5)
+    m.close()
+    records = read_metrics(tmp_path / "m-3.jsonl")
+    assert list(records[0]) == list(METRIC_KEYS) and records[1]["eval_loss"] == 2.5 and "eval_loss" not in records[0]
+
+
+def test_the_chatter_filter_keeps_everything_else(monkeypatch):
+    out = io.StringIO()
+    f = LineFilter(out)
+    f.write("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully\nkeep me\n[2026-12-02 15:47:")
+    f.write("21,641] [INFO] [launch.py:152:main] WORLD INFO DICT\nSEED_LAYERS=False BASE_SEED=1234 SEED_FN=None\n")
+    f.write("stage=0 layers=3\n     0: Embedding\n  loss: TokenLoss\n[2026-12-02 15:47:21,641] [ERROR] [x.py:1:f] bad\n")
+    f.write("partial")
+    assert out.getvalue() == "keep me\n[2026-12-02 15:47:21,641] [ERROR] [x.py:1:f] bad\n"
+    f.write(" line\n")
+    assert out.getvalue().endswith("partial line\n")
+    logger = logging.getLogger("DeepSpeed")
+    monkeypatch.setattr(logger, "filters", list(logger.filters))
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    quiet_engines()
+    assert not logger.filter(logging.LogRecord("DeepSpeed", logging.WARNING, "", 0, "w", None, None))
+    assert logger.filter(logging.LogRecord("DeepSpeed", logging.ERROR, "", 0, "e", None, None))
+    import sys
+
+    assert isinstance(sys.stdout, LineFilter)
+
+
+def test_tensorboard_scalars_read_back(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from plugin.monitor.tensorboard import TensorBoard
+
+    board = TensorBoard(str(tmp_path), load_recipe("cpu_single"), {"backend": "native", "data": 1})
+    board.write(_report(step=1))
+    board.write(_report(step=2, mfu=0.25), eval_loss=2.5)
+    board.close()
+    events = EventAccumulator(str(tmp_path)).Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == [3.25, 3.25]
+    assert [e.step for e in events.Scalars("perf/mfu")] == [2] and [e.step for e in events.Scalars("eval/loss")] == [2]
+    assert {"recipe/text_summary", "layout/text_summary"} <= set(events.Tags()["tensors"])
+
+
+def test_tensorboard_missing_is_one_line(monkeypatch, capsys):
+    import importlib.util
+
+    import train
+    from plugin.monitor import tensorboard
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    assert tensorboard.missing() == ("--tensorboard needs the tensorboard package -> pip install "
+                                     "'parallel-recipe[monitor]' (tensorboard and matplotlib)")
+    assert train.main(["--recipe", "cpu_single", "--tensorboard", "tb"]) == 2
+    assert capsys.readouterr().err.strip() == tensorboard.missing()
+
+
+def test_plot_draws_runs_overlaid(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from plugin.cli.main import main
+
+    for name, scale in (("single", 1.0), ("tp2", 1.001)):
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            for s in range(1, 6):
+                record = {**_report(step=s, loss=4 - s * scale / 4, lr=1e-3 * min(1, s / 2)).to_json(),
+                          **({"eval_loss": 3.5} if s == 5 else {})}
+                f.write(json.dumps(record) + "\n")
+    out = tmp_path / "plot.png"
+    assert main(["plot", str(tmp_path / "single.jsonl"), str(tmp_path / "tp2.jsonl"), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    assert main(["plot", str(tmp_path / "bad.jsonl"), "-o", str(out)]) == 2
+    assert "bad.jsonl: line 1: not a JSON line" in capsys.readouterr().err
+
+
+def _cells(svg: str) -> list:
+    root = ET.fromstring(svg)
+    return [r for r in root.iter("{http://www.w3.org/2000/svg}rect") if r.find("{http://www.w3.org/2000/svg}title")
+            is not None]
+
+
+def test_rank_map_svg_has_a_cell_per_rank_and_panel(tmp_path):
+    from plugin.cli.main import main
+
+    svg_path = tmp_path / "map.svg"
+    assert main(["show", "tp2_pp2_dp2", "--svg", str(svg_path)]) == 0
+    svg = svg_path.read_text()
+    cells = _cells(svg)
+    assert len(cells) == 3 * 8  # panels tensor, data, pipeline x 8 ranks
+    tips = [c.find("{http://www.w3.org/2000/svg}title").text for c in cells]
+    assert "rank 5: pipeline 1, data 0, tensor 1" in tips
+    assert svg.count('stroke="#222"') == 4  # four tensor groups, each inside its node
+    crossing = rank_map_svg(Topology(dp_size=2, tp_size=8), gpus_per_node=4)
+    assert crossing.count('stroke-dasharray="5,3"') == 4  # two tensor groups of 8 over nodes of 4: two pieces each
+
+
+def test_rank_map_aggregates_above_1024_ranks():
+    svg = rank_map_svg(Topology(pp_size=8, dp_size=64, tp_size=8), gpus_per_node=8)
+    cells = _cells(svg)
+    assert len(cells) == 3 * 512 and "each cell is 1 node(s), 8 ranks" in svg  # 4096 ranks, a cell per node
+    assert any("ranks 0-7: tensor 0-7" == c.find("{http://www.w3.org/2000/svg}title").text for c in cells)
+
+
+class Coord4(NamedTuple):
+    pp: int
+    dp: int
+    tp: int
+    cp: int = 0
+
+
+class FourAxes:
+    """A topology with a context axis between tensor and data (Megatron's order), as a later Topology will have."""
+
+    pp_size, dp_size, tp_size, cp_size = 2, 2, 2, 2
+    world_size = 16
+
+    def coord(self, rank):
+        return Coord4(pp=rank // 8, dp=rank // 4 % 2, tp=rank % 2, cp=rank // 2 % 2)
+
+
+def test_rank_map_takes_any_further_axis():
+    axes = axes_of(FourAxes())
+    assert [(a.name, a.stride) for a in axes] == [("tensor", 1), ("context", 2), ("data", 4), ("pipeline", 8)]
+    svg = rank_map_svg(FourAxes(), gpus_per_node=8)
+    assert ">context 2</text>" in svg and len(_cells(svg)) == 4 * 16
+    assert "rank 6: pipeline 0, data 1, context 1, tensor 0" in svg
