@@ -245,6 +245,9 @@ def assumptions(spec: ModelSpec, recompute_modes: Sequence[str], fused_attention
            + (f"{spec.dropout:g}: masks counted" if spec.dropout else "off (no masks)")]
     if spec.mlp == "swiglu":
         out.append("SwiGLU as a fused kernel (6sbf stored); eager PyTorch stores 8sbf")
+    out.append("learning rate: a schedule changes neither step time nor memory (the plugin sets each step's lr on the "
+               'host); --write writes AdamW at a constant lr 3e-4: add "lr_schedule" (warmup, linear or cosine decay) '
+               "to the recipe")
     return tuple(out)
 
 
