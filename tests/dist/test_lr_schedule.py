@@ -25,6 +25,7 @@ import re
 
 import pytest
 
+from plugin.checkpoint.directory import MANIFEST
 from plugin.monitor.record import METRIC_KEYS
 from plugin.recipe.lr_schedule import lr_at
 from plugin.recipe.spec import LRSchedule
@@ -121,7 +122,7 @@ def test_deepspeed_then_native_across_layouts_and_back_ends(reference, tmp_path)
     assert "with deepspeed" in first.stderr, first.log()
     assert_like_reference(first, ref, range(1, SAVE_AT + 1))
     assert_no_engine_chatter(first)
-    manifest = json.loads(next(ckpt.glob("step-*/manifest.json")).read_text())
+    manifest = json.loads(next(ckpt.glob(f"step-*/{MANIFEST}")).read_text())
     assert manifest["scalars"]["lr_schedule"] == {"position": SAVE_AT}, manifest["scalars"]
     second = train(_variant("cpu_pp2_dp2", tmp_path, "sched_pp2_dp2", launcher="torchrun"), 4, tmp_path,
                    launcher="torchrun", steps=STEPS, extra=[*EVAL, "--resume", ckpt])
