@@ -5,7 +5,9 @@ One recipe: SGD with momentum (lr 0.3, momentum 0.9), clipping at 0.5 that acts 
 1-7), and ``lr_schedule`` warmup 3 steps, cosine to 0.03 at step 8, then 0.03: every part of the formula within
 10 steps (FACTS: layouts agree to 1e-7 until step 10 on this model). Launched:
 
-* the reference: ``python train.py`` on one process, 10 steps, --eval-every 5, --tensorboard, --log-every 3;
+* the reference: ``python train.py`` on one process, on the native back end (``"launcher": "torchrun"``: a
+  reference that shares nothing with DeepSpeed's optimizer wrappers, where a schedule set on the wrong optimizer
+  would show), 10 steps, --eval-every 5, --tensorboard, --log-every 3;
 * DeepSpeed (``deepspeed``, tensor 2 x pipeline 2: its PipelineModule, the plugin's LambdaLR over its optimizer),
   steps 1-5 and --save;
 * native (``torchrun``, pipeline 2 x data 2 at ZeRO-1: torch.distributed.pipelining, ZeroRedundancyOptimizer)
@@ -51,8 +53,9 @@ def _variant(base, tmp, name, **more):
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     board = ["--tensorboard", tmp / "tb"] if importlib.util.find_spec("tensorboard") else []  # else skipped below
-    run = train(_variant("cpu_single", tmp, "sched_single"), 1, tmp, launcher="python", steps=STEPS,
-                extra=[*EVAL, *board, "--log-every", 3])
+    run = train(_variant("cpu_single", tmp, "sched_single", launcher="torchrun"), 1, tmp, launcher="python",
+                steps=STEPS, extra=[*EVAL, *board, "--log-every", 3])
+    assert "with native" in run.stderr, run.log()
     records = {r["step"]: r for r in run.records}
     assert sorted(records) == list(range(1, STEPS + 1)), run.log()
     return run, records, tmp / "tb"
