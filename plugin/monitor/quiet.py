@@ -2,7 +2,8 @@
 
 What DeepSpeed prints on every rank, which a person watching a run cannot act on: its logger's INFO and WARNING
 lines, its ``print``s to stdout ("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully", a
-PipelineModule's ``SEED_LAYERS=...``, ``stage=0 layers=3`` and layer list, ``RANK=0 tied_comms=...``), and Python
+PipelineModule's ``SEED_LAYERS=...``, ``stage=0 layers=3`` and layer list, ``RANK=0 tied_comms=...``, its topology's
+``Using topology: {...}``), and Python
 warnings raised in DeepSpeed's and Accelerate's code. Errors still show; ``--verbose`` shows everything.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ CHATTER = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\] \[(?:DEBUG|INFO|WA
                      r"|DeepSpeed \S+ built successfully$"
                      r"|SEED_LAYERS=\S+ BASE_SEED=\S+ SEED_FN=\S+$"
                      r"|stage=\d+ layers=\d+$|\s+\d+: \S+$|  loss: \S+$"
-                     r"|RANK=\d+ tied_comms=")
+                     r"|RANK=\d+ tied_comms=|Using topology: \{")
 
 
 class LineFilter:

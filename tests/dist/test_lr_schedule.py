@@ -83,7 +83,7 @@ def assert_like_reference(run, ref: dict, steps):
 
 def assert_no_engine_chatter(run):
     text = run.stdout + run.stderr
-    for chatter in ("built successfully", "SEED_LAYERS=", "tied_comms=", "[INFO] [engine.py", "[INFO] [config.py"):
+    for chatter in ("built successfully", "SEED_LAYERS=", "Using topology:", "[INFO] [engine.py", "[INFO] [config.py"):
         assert chatter not in text, f"{chatter!r} reached the console\n{run.log()}"
 
 

@@ -82,7 +82,7 @@ def test_the_chatter_filter_keeps_everything_else(monkeypatch):
     f = LineFilter(out)
     f.write("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully\nkeep me\n[2026-12-02 15:47:")
     f.write("21,641] [INFO] [launch.py:152:main] WORLD INFO DICT\nSEED_LAYERS=False BASE_SEED=1234 SEED_FN=None\n")
-    f.write("stage=0 layers=3\n     0: Embedding\n  loss: TokenLoss\n")
+    f.write("stage=0 layers=3\n     0: Embedding\n  loss: TokenLoss\nUsing topology: {ProcessCoord(pipe=0): 0}\n")
     f.write("[2026-12-02 15:47:21,641] [ERROR] [x.py:1:f] bad\n")
     f.write("partial")
     assert out.getvalue() == "keep me\n[2026-12-02 15:47:21,641] [ERROR] [x.py:1:f] bad\n"
