@@ -16,7 +16,6 @@ end, and prints a summary. DeepSpeed's own log lines stay out of the console unl
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -216,22 +215,20 @@ def main(argv=None):
     board = tensorboard.TensorBoard(args.tensorboard, recipe, engine.describe()) if args.tensorboard and main_rank \
         else None
     console = Console(args.steps, start, enabled=main_rank, log_every=args.log_every)
-    losses, eval_loss, t0 = [], None, time.perf_counter()
+    losses, eval_loss, elapsed = [], None, 0.0
     for step in range(start, args.steps):
         loss = engine.train_step(next_batch(step))
         losses.append(loss)
+        elapsed += engine.last_step.step_time_s
         last = step + 1 == args.steps
+        if args.save and (last or (args.save_every and (step + 1) % args.save_every == 0)):
+            engine.save(args.save, **save_kwargs())  # before evaluating: a checkpoint holds what training left
         evaluated = last or bool(args.eval_every and (step + 1) % args.eval_every == 0)
         eval_loss = evaluate(engine, held_out) if evaluated else None
         for out in (console, metrics, board):
             if out is not None:
                 out.write(engine.last_step, eval_loss)
-        if args.save_every and (step + 1) % args.save_every == 0 and not last:
-            engine.save(args.save, **save_kwargs())
-    elapsed = time.perf_counter() - t0
     console.close()
-    if args.save:
-        engine.save(args.save, **save_kwargs())
     if eval_loss is None:  # no step ran (resumed at --steps): still say how the model does
         eval_loss = evaluate(engine, held_out)
     if main_rank and losses:
@@ -240,7 +237,7 @@ def main(argv=None):
         print(f"\ntrained {recipe.name} with {engine.backend}: data {lay.data} x tensor {lay.tensor} x pipeline "
               f"{lay.pipeline}, ZeRO-{recipe.zero.stage}, {recipe.precision}\n"
               f"  steps {start + 1}-{args.steps}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, eval loss {eval_loss:.4f}\n"
-              f"  {tokens / elapsed:,.0f} tokens/s over {elapsed:.1f} s"
+              f"  {tokens / elapsed:,.0f} tokens/s over {elapsed:.1f} s of steps"
               + (f"; checkpoint in {args.save}" if args.save else ""), file=sys.stderr)
     for out in (metrics, board):
         if out is not None:
