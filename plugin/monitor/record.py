@@ -61,11 +61,15 @@ def model_flops_per_token(recipe, world_size: int | None = None) -> float | None
     """The planner's training FLOPs per token of the recipe's model (None without a ``model`` block)."""
     if recipe.model is None:
         return None
+    from ..errors import RecipeError
     from ..planning.for_recipe import setup_from_recipe, spec_from_recipe
     from ..planning.steptime import model_flops_per_step
 
-    setup = setup_from_recipe(recipe, world_size)
-    return model_flops_per_step(spec_from_recipe(recipe), setup) / (setup.global_batch * recipe.model.seq_len)
+    try:
+        setup = setup_from_recipe(recipe, world_size)
+        return model_flops_per_step(spec_from_recipe(recipe), setup) / (setup.global_batch * recipe.model.seq_len)
+    except (RecipeError, ValueError):  # a model the planner cannot size: no MFU rather than no step
+        return None
 
 
 def mfu(flops_per_token: float | None, tokens: int, seconds: float, world_size: int,
