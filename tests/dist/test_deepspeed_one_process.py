@@ -40,7 +40,8 @@ for precision in ("fp32", "bf16"):
 norms = {}
 for backend in ("deepspeed", "native"):
     for clip in (0.0, 0.1):
-        recipe = Recipe.from_dict({**base, "name": "norm", "zero": {"stage": 0}, "gradient_clipping": clip})
+        recipe = Recipe.from_dict({**base, "name": "norm", "zero": {"stage": 0}, "gradient_clipping": clip,
+                                   "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}})  # clipping shows
         torch.manual_seed(0)
         engine = plugin.initialize([torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)], recipe,
                                    loss_fn=F.cross_entropy, backend=backend)
