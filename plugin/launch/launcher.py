@@ -199,6 +199,8 @@ def build_command(recipe_path: str, recipe, req: Request, machine: Machine,
                 hosts = no_ssh_hostfile(req.nodes, nproc)
                 cmd += ["--hostfile", str(hosts), "--no_ssh", "--node_rank", str(req.node_rank)]
             cmd += ["--num_gpus", str(nproc), "--master_addr", addr, "--master_port", str(port)]
+        if "--verbose" not in req.train_args:  # the launcher's own INFO/WARNING lines, as train.py quiets the ranks'
+            cmd += ["--log_level", "error"]
         cmd += train
         if not machine.gpus:
             env["DS_ACCELERATOR"] = "cpu"
