@@ -1,5 +1,5 @@
 """``python -m plugin`` (the ``parallel-recipe`` script): validate, show, export, import, estimate, plan, checkpoint,
-plot.
+plot, elastic.
 
 Each command is a module in :mod:`plugin.cli` with ``register(subparsers)`` and ``run(args) -> int``.
 None of them imports torch, deepspeed or accelerate: they answer in milliseconds (``checkpoint export`` runs a child).
@@ -14,7 +14,7 @@ import sys
 
 from .common import run_command
 
-COMMANDS = ["validate", "show", "export", "import_", "estimate", "plan", "checkpoint", "plot"]
+COMMANDS = ["validate", "show", "export", "import_", "estimate", "plan", "elastic", "checkpoint", "plot"]
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
