@@ -3,6 +3,7 @@ filter, TensorBoard, the plot and the rank map."""
 import io
 import json
 import logging
+import re
 import xml.etree.ElementTree as ET
 from typing import NamedTuple
 
@@ -198,3 +199,30 @@ def test_rank_map_takes_any_further_axis():
     svg = rank_map_svg(FourAxes(), gpus_per_node=8)
     assert ">context 2</text>" in svg and len(_cells(svg)) == 4 * 16
     assert "rank 6: pipeline 0, data 1, context 1, tensor 0" in svg
+
+
+def _text_extents(svg: str) -> list[tuple[str, float, float]]:
+    """(text, x, estimated right end) of every SVG text left-anchored (DejaVu Sans: ~0.6 em a character, bold 0.65)."""
+    out = []
+    for t in ET.fromstring(svg).iter("{http://www.w3.org/2000/svg}text"):
+        if t.get("text-anchor") == "middle":
+            continue
+        em = float(t.get("font-size")) * (0.65 if t.get("font-weight") == "bold" else 0.6)
+        out.append((t.text, float(t.get("x")), float(t.get("x")) + em * len(t.text)))
+    return out
+
+
+@pytest.mark.parametrize("topology, per_node", [
+    (Topology(pp_size=4, dp_size=128, tp_size=4), 8),  # 2048 ranks, aggregated: 128 data replicas in the legend
+    (Topology(pp_size=2, dp_size=32, tp_size=8), 8),
+    (Topology(pp_size=1, dp_size=16, tp_size=2), None),  # no cluster block: the header says 8 per node assumed
+])
+def test_rank_map_text_stays_inside_the_picture_and_apart(topology, per_node):
+    svg = rank_map_svg(topology, gpus_per_node=per_node, title="rank map of a long recipe name")
+    width = float(ET.fromstring(svg).get("width"))
+    extents = _text_extents(svg)
+    assert [t for t, _, right in extents if right > width] == []
+    titles = [(t, right) for t, _, right in extents if re.fullmatch(r"(tensor|data|pipeline) \d+", t)]
+    notes = [x for t, x, _ in extents if t.startswith("colour: ")]
+    assert len(titles) == len(notes) == sum(s > 1 for s in (topology.tp_size, topology.dp_size, topology.pp_size))
+    assert all(x > right for (_, right), x in zip(titles, notes, strict=True)), (titles, notes)
