@@ -211,7 +211,7 @@ def main(argv=None):
     main_rank = engine.is_main
     metrics = None
     if args.metrics and (main_rank or "{rank}" in args.metrics):
-        metrics = MetricsFile(args.metrics, engine.rank, append=bool(args.resume))
+        metrics = MetricsFile(args.metrics, engine.rank, resumed_at=start if args.resume else None)
     board = tensorboard.TensorBoard(args.tensorboard, recipe, engine.describe()) if args.tensorboard and main_rank \
         else None
     console = Console(args.steps, start, enabled=main_rank, log_every=args.log_every)

@@ -70,13 +70,32 @@ def test_the_live_line_on_a_terminal():
 
 def test_metrics_file_writes_the_issues_keys(tmp_path):
     path = tmp_path / "m-{rank}.jsonl"
-    m = MetricsFile(str(path), 3, append=False)
+    m = MetricsFile(str(path), 3, resumed_at=None)
     m.write(_report(step=1))
     m.write(_report(step=2), eval_loss=2.5)
     m.close()
     records = read_metrics(tmp_path / "m-3.jsonl")
     assert list(records[0]) == list(METRIC_KEYS) and records[1]["eval_loss"] == 2.5 and "eval_loss" not in records[0]
 
+
+
+def test_a_resumed_metrics_file_holds_one_timeline(tmp_path):
+    """Resumed at step 4 of a run that logged 1-6 and was cut inside line 7: steps 1-4, then the resumed 5 and 6."""
+    path = tmp_path / "m.jsonl"
+    m = MetricsFile(str(path), 0, resumed_at=None)
+    for s in range(1, 7):
+        m.write(_report(step=s, loss=9.0))
+    m.close()
+    with open(path, "a") as f:
+        f.write('{"step": 7, "lo')
+    m = MetricsFile(str(path), 0, resumed_at=4)
+    for s in (5, 6):
+        m.write(_report(step=s, loss=1.0))
+    m.close()
+    records = read_metrics(path)
+    assert [(r["step"], r["loss"]) for r in records] == [(1, 9.0), (2, 9.0), (3, 9.0), (4, 9.0), (5, 1.0), (6, 1.0)]
+    MetricsFile(str(tmp_path / "new.jsonl"), 0, resumed_at=4).close()  # resumed, but no file yet: made
+    assert read_metrics(tmp_path / "new.jsonl") == []
 
 def test_the_chatter_filter_keeps_everything_else(monkeypatch):
     out = io.StringIO()
