@@ -139,9 +139,9 @@ def rank_map_svg(topology, *, gpus_per_node: int | None = None, title: str = "")
     nodes = -(-world // per_node)
     pad = 16
     panel_h = 24 + grid.height + 6 + 22 + 18
-    layout_words = " x ".join(f"{a.name} {a.size}" for a in reversed(axes))
     head = [title or "rank map",
-            f"{layout_words} = {world} ranks on {nodes} node{'s' if nodes > 1 else ''} x {per_node} GPUs",
+            f"{_layout_words(axes)} = {world} rank{'s' if world > 1 else ''} on {nodes} node{'s' if nodes > 1 else ''}"
+            f" x {per_node} GPU{'s' if per_node > 1 else ''}",
             "rank order: " + ", then ".join(a.name for a in axes if a.size > 1) + " (fastest first)"
             if world > 1 else "one rank"]
     if assumed:
@@ -170,6 +170,16 @@ def rank_map_svg(topology, *, gpus_per_node: int | None = None, title: str = "")
     out += body
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _layout_words(axes: list[Axis]) -> str:
+    """The layout, slowest axis first as the rank order nests them ("pipeline 2 x data 2 x tensor 2"); axes of size 1
+    have no place in that order and follow in brackets ("pipeline 2 x tensor 2 (data 1)")."""
+    sized = [f"{a.name} {a.size}" for a in reversed(axes) if a.size > 1]
+    ones = [f"{a.name} 1" for a in axes if a.size == 1]
+    if not sized:
+        return " x ".join(ones)
+    return " x ".join(sized) + (f" ({', '.join(ones)})" if ones else "")
 
 
 def _coords(topology, ranks, axis: Axis) -> set[int]:

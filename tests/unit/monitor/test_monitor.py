@@ -245,3 +245,15 @@ def test_rank_map_text_stays_inside_the_picture_and_apart(topology, per_node):
     notes = [x for t, x, _ in extents if t.startswith("colour: ")]
     assert len(titles) == len(notes) == sum(s > 1 for s in (topology.tp_size, topology.dp_size, topology.pp_size))
     assert all(x > right for (_, right), x in zip(titles, notes, strict=True)), (titles, notes)
+
+
+@pytest.mark.parametrize("topology, header", [
+    (Topology(pp_size=2, dp_size=2, tp_size=2), "pipeline 2 x data 2 x tensor 2 = 8 ranks on 1 node x 8 GPUs"),
+    (Topology(pp_size=2, tp_size=2), "pipeline 2 x tensor 2 (data 1) = 4 ranks on 1 node x 4 GPUs"),
+    (Topology(), "pipeline 1 x data 1 x tensor 1 = 1 rank on 1 node x 1 GPU"),
+])
+def test_rank_map_header_names_the_layout_slowest_first(topology, header):
+    """An axis of size 1 has no place in the rank order: it follows in brackets (it once led: "data 1 x pipeline 2 x
+    tensor 2", against the panels' and the rank order's tensor-first nesting)."""
+    svg = rank_map_svg(topology, gpus_per_node=8)
+    assert header in [t for t, _, _ in _text_extents(svg)]
