@@ -4,6 +4,7 @@ import io
 import json
 import logging
 import re
+import time
 import xml.etree.ElementTree as ET
 from typing import NamedTuple
 
@@ -133,6 +134,30 @@ def test_tensorboard_scalars_read_back(tmp_path):
     assert [e.value for e in events.Scalars("train/loss")] == [3.25, 3.25]
     assert [e.step for e in events.Scalars("perf/mfu")] == [2] and [e.step for e in events.Scalars("eval/loss")] == [2]
     assert {"recipe/text_summary", "layout/text_summary"} <= set(events.Tags()["tensors"])
+
+
+def test_a_resumed_tensorboard_holds_one_timeline(tmp_path):
+    """A run resumed from step 4 of one that logged 1-8 into the same DIR: TensorBoard shows 1-4, then the resumed
+    5-6 (without purge_step it showed 1-8 and then 5-6 again, the line drawn back from 8 to 5)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from plugin.monitor.tensorboard import TensorBoard
+
+    recipe = load_recipe("cpu_single")
+    first = TensorBoard(str(tmp_path), recipe, {"backend": "native"})
+    for step in range(1, 9):
+        first.write(_report(step=step), eval_loss=1.0 if step % 4 == 0 else None)
+    first.close()
+    time.sleep(1.1)  # event files are named by the second, then pid and a counter: the resumed run's must sort after
+    resumed = TensorBoard(str(tmp_path), recipe, {"backend": "native"}, resumed_at=4)
+    for step in (5, 6):
+        resumed.write(_report(step=step, loss=2.0))
+    resumed.close()
+    events = EventAccumulator(str(tmp_path)).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == \
+        [(1, 3.25), (2, 3.25), (3, 3.25), (4, 3.25), (5, 2.0), (6, 2.0)]
+    assert [e.step for e in events.Scalars("eval/loss")] == [4]
 
 
 def test_tensorboard_missing_is_one_line(monkeypatch, capsys):
