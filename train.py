@@ -211,8 +211,9 @@ def main(argv=None):
     main_rank = engine.is_main
     metrics = None
     if args.metrics and (main_rank or "{rank}" in args.metrics):
-        metrics = MetricsFile(args.metrics, engine.rank, append=bool(args.resume))
-    board = tensorboard.TensorBoard(args.tensorboard, recipe, engine.describe()) if args.tensorboard and main_rank \
+        metrics = MetricsFile(args.metrics, engine.rank, resumed_at=start if args.resume else None)
+    board = tensorboard.TensorBoard(args.tensorboard, recipe, engine.describe(),
+                                    resumed_at=start if args.resume else None) if args.tensorboard and main_rank \
         else None
     console = Console(args.steps, start, enabled=main_rank, log_every=args.log_every)
     losses, eval_loss, elapsed = [], None, 0.0

@@ -4,15 +4,25 @@ Keys (:data:`.record.METRIC_KEYS`): ``step``, ``loss``, ``tokens_per_s``, ``lr``
 ``step_time_s``, ``memory_gb``, ``mfu``, and ``eval_loss`` on evaluation steps. Rank 0 writes it; a PATH with
 ``{rank}`` in it makes every rank write its own (the loss, lr and norm are the same on every rank; step time and
 tokens/s are each rank's).
+
+A resumed run (``--resume``) continues the file as one timeline, like the checkpoint directory: the lines of the
+steps after the checkpoint's (what the interrupted run logged past its last save, or a later run's) are dropped
+first, and so is a line the interruption cut short, so the file holds each step once.
 """
 from __future__ import annotations
 
 import json
+import os
 
 
 class MetricsFile:
-    def __init__(self, path: str, rank: int, *, append: bool):
-        self.file = open(path.replace("{rank}", str(rank)), "a" if append else "w", encoding="utf-8")
+    """``resumed_at``: None starts the file afresh; a step number keeps the lines up to that step and appends."""
+
+    def __init__(self, path: str, rank: int, *, resumed_at: int | None):
+        path = path.replace("{rank}", str(rank))
+        if resumed_at is not None and os.path.exists(path):
+            _keep_up_to(path, resumed_at)
+        self.file = open(path, "w" if resumed_at is None else "a", encoding="utf-8")
 
     def write(self, report, eval_loss: float | None = None) -> None:
         record = report.to_json()
@@ -23,6 +33,22 @@ class MetricsFile:
 
     def close(self) -> None:
         self.file.close()
+
+
+def _keep_up_to(path: str, step: int) -> None:
+    """Rewrite ``path`` with its whole lines of steps <= ``step`` only."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by the interruption
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line + "\n")
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(kept)
 
 
 def read_metrics(path) -> list[dict]:

@@ -59,6 +59,11 @@ def colour(index: int, size: int) -> str:
     return f"#{round(r * 255):02x}{round(g * 255):02x}{round(b * 255):02x}"
 
 
+def _text_w(text: str, size: float, bold: bool = False) -> float:
+    """A text's width, estimated (DejaVu Sans: about 0.6 em a character, bold 0.65): what the layout reserves."""
+    return len(text) * size * (0.65 if bold else 0.6)
+
+
 ROWS_PER_COLUMN = 16  # node rows stacked before the next column of rows starts
 LABEL_W, GAP, COLUMN_GAP = 70, 4, 18
 
@@ -134,17 +139,24 @@ def rank_map_svg(topology, *, gpus_per_node: int | None = None, title: str = "")
     nodes = -(-world // per_node)
     pad = 16
     panel_h = 24 + grid.height + 6 + 22 + 18
-    width = max(pad * 2 + grid.width, 640)
-    layout_words = " x ".join(f"{a.name} {a.size}" for a in reversed(axes))
     head = [title or "rank map",
-            f"{layout_words} = {world} ranks on {nodes} node{'s' if nodes > 1 else ''} x {per_node} GPUs"
-            + (" (8 per node assumed: the recipe has no cluster block)" if assumed else ""),
+            f"{_layout_words(axes)} = {world} rank{'s' if world > 1 else ''} on {nodes} node{'s' if nodes > 1 else ''}"
+            f" x {per_node} GPU{'s' if per_node > 1 else ''}",
             "rank order: " + ", then ".join(a.name for a in axes if a.size > 1) + " (fastest first)"
             if world > 1 else "one rank"]
+    if assumed:
+        head.append("8 GPUs per node assumed: the recipe has no cluster block")
     if grid.block > 1:
         head.append(f"aggregated: each cell is {grid.block // per_node} node(s), {grid.block} ranks")
     top = pad + 20 * len(head) + 8
     height = top + panel_h * len(shown) + pad
+    body, right = [], 0.0
+    for k, axis in enumerate(shown):
+        parts, panel_right = _panel(topology, axis, axes, grid, pad, top + k * panel_h)
+        body += parts
+        right = max(right, panel_right)
+    right = max([right] + [pad + _text_w(line, 16 if i == 0 else 12, i == 0) for i, line in enumerate(head)])
+    width = max(pad * 2 + grid.width, 640, round(right) + pad)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif">',
            f'<rect width="{width}" height="{height}" fill="white"/>',
@@ -155,23 +167,34 @@ def rank_map_svg(topology, *, gpus_per_node: int | None = None, title: str = "")
         size, weight = (16, "bold") if i == 0 else (12, "normal")
         out.append(f'<text x="{pad}" y="{pad + 14 + 20 * i}" font-size="{size}" font-weight="{weight}">'
                    f"{escape(line)}</text>")
-    for k, axis in enumerate(shown):
-        out += _panel(topology, axis, axes, grid, pad, top + k * panel_h)
+    out += body
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _layout_words(axes: list[Axis]) -> str:
+    """The layout, slowest axis first as the rank order nests them ("pipeline 2 x data 2 x tensor 2"); axes of size 1
+    have no place in that order and follow in brackets ("pipeline 2 x tensor 2 (data 1)")."""
+    sized = [f"{a.name} {a.size}" for a in reversed(axes) if a.size > 1]
+    ones = [f"{a.name} 1" for a in axes if a.size == 1]
+    if not sized:
+        return " x ".join(ones)
+    return " x ".join(sized) + (f" ({', '.join(ones)})" if ones else "")
 
 
 def _coords(topology, ranks, axis: Axis) -> set[int]:
     return {getattr(topology.coord(r), axis.field) for r in ranks}
 
 
-def _panel(topology, axis: Axis, axes: list[Axis], grid: _Grid, x0: int, y0: int) -> list:
+def _panel(topology, axis: Axis, axes: list[Axis], grid: _Grid, x0: int, y0: int) -> tuple[list, float]:
+    """The panel's SVG elements, and the right end of its widest text line (the picture is made at least that wide)."""
     word = AXIS_WORDS.get(axis.name, f"{axis.name} rank")
     contiguous = axis.size > 1 and axis.stride == 1 and grid.block == 1
     note = f"colour: {word}" + (f"; boxes: {axis.name} groups (red, dashed: across nodes)" if contiguous else "")
-    out = [f'<text x="{x0}" y="{y0 + 14}" font-size="13" font-weight="bold">{escape(axis.name)} {axis.size}</text>',
-           f'<text x="{x0 + 12 + 9 * len(axis.name) + 18}" y="{y0 + 14}" font-size="11" fill="#555">'
-           f"{escape(note)}</text>"]
+    heading = f"{axis.name} {axis.size}"
+    note_x = x0 + round(_text_w(heading, 13, bold=True)) + 14
+    out = [f'<text x="{x0}" y="{y0 + 14}" font-size="13" font-weight="bold">{escape(heading)}</text>',
+           f'<text x="{note_x}" y="{y0 + 14}" font-size="11" fill="#555">{escape(note)}</text>']
     gx, gy = x0, y0 + 24
     for row in range(grid.rows):
         first = row * grid.cols * grid.block
@@ -206,8 +229,8 @@ def _panel(topology, axis: Axis, axes: list[Axis], grid: _Grid, x0: int, y0: int
                        f'text-anchor="middle" fill="#111">{start}</text>')
     if contiguous:
         out += _group_boxes(axis, grid, gx, gy)
-    out += _legend(axis, word, x0, gy + grid.height + 6, grid.block > 1)
-    return out
+    legend, legend_right = _legend(axis, word, x0, gy + grid.height + 6, grid.block > 1)
+    return out + legend, max(legend_right, note_x + _text_w(note, 11))
 
 
 def _ranges(values: list[int]) -> str:
@@ -238,7 +261,8 @@ def _group_boxes(axis: Axis, grid: _Grid, gx: int, gy: int) -> list:
     return out
 
 
-def _legend(axis: Axis, word: str, x0: int, y: int, aggregated: bool) -> list:
+def _legend(axis: Axis, word: str, x0: int, y: int, aggregated: bool) -> tuple[list, float]:
+    """The colour key under a panel, and where it ends on the right."""
     out = []
     shown = min(axis.size, 16)
     x = x0
@@ -248,10 +272,11 @@ def _legend(axis: Axis, word: str, x0: int, y: int, aggregated: bool) -> list:
         out.append(f'<text x="{x + 16}" y="{y + 10}" font-size="10">{label}</text>')
         x += 22 + 7 * len(label)
     if axis.size > shown:
-        out.append(f'<text x="{x}" y="{y + 10}" font-size="10">... {axis.field[0]}{axis.size - 1} '
-                   f"({axis.size} {word}s)</text>")
-        x += 150
+        rest = f"... {axis.field[0]}{axis.size - 1} ({axis.size} {word}s)"
+        out.append(f'<text x="{x}" y="{y + 10}" font-size="10">{escape(rest)}</text>')
+        x += round(_text_w(rest, 10)) + 10
     if aggregated:
         out.append(f'<rect x="{x}" y="{y}" width="12" height="12" rx="2" fill="url(#mixed)" stroke="#999"/>')
         out.append(f'<text x="{x + 16}" y="{y + 10}" font-size="10">several in one cell</text>')
-    return out
+        x += 16 + round(_text_w("several in one cell", 10))
+    return out, x

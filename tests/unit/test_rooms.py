@@ -1,4 +1,4 @@
-"""The house's rules, held by tests rather than documented only (README, "Layout of the code"):
+"""The house's rules, held by tests rather than documented only (docs/architecture.md, "Layout of the code"):
 
 * the pure rooms import no torch, deepspeed, accelerate or transformers: at import time (every module of them,
   in a fresh interpreter), and anywhere in their code, inside functions too (read with ``ast``);
@@ -202,9 +202,12 @@ def test_the_import_reader_sees_imports_inside_functions(module, expected):
     assert expected <= _plugin_edges()[module]
 
 
+CODE_MAP = PLUGIN.parent / "docs" / "architecture.md"  # the code map ("Layout of the code"), linked from the README
+
+
 def _readme_rows() -> dict[str, str]:
-    """README's code map: room -> the text of its row."""
-    text = (PLUGIN.parent / "README.md").read_text(encoding="utf-8")
+    """The code map: room -> the text of its row."""
+    text = CODE_MAP.read_text(encoding="utf-8")
     section = text[text.index("## Layout of the code"):]
     import re
 
@@ -216,26 +219,48 @@ def test_the_readme_code_map_lists_every_room_and_module_and_nothing_else():
 
     rows = _readme_rows()
     assert list(rows) == [r for r in ROOMS if r in rows] and set(rows) == set(ROOMS), \
-        f"README's code map rows {list(rows)} differ from the rooms {ROOMS}"
+        f"the code map's rows ({CODE_MAP.name}) {list(rows)} differ from the rooms {ROOMS}"
     problems = []
     for room, row in rows.items():
         named = set(re.findall(r"`([a-z_]+\.py)`", row))
         on_disk = {p.name for p in (PLUGIN / room).rglob("*.py") if p.name not in ("__init__.py", "__main__.py")}
         if room == "cli":  # one module per command: the row names the shared ones
             on_disk = {"main.py", "common.py"}
-        problems += [f"{room}: README names {n}, which is not there" for n in sorted(named - on_disk)]
-        problems += [f"{room}: {n} is missing from README's code map" for n in sorted(on_disk - named)]
+        problems += [f"{room}: the code map names {n}, which is not there" for n in sorted(named - on_disk)]
+        problems += [f"{room}: {n} is missing from the code map ({CODE_MAP.name})" for n in sorted(on_disk - named)]
     assert not problems, "\n".join(problems)
 
 
-def test_every_path_the_readme_names_exists():
+def test_every_path_the_docs_name_exists():
+    """Every repository path the README or a guide under docs/ names in backticks, and every relative link between
+    them (a file, and a heading's anchor as GitHub makes it), exists."""
     import re
 
-    text = (PLUGIN.parent / "README.md").read_text(encoding="utf-8")
-    paths = set(re.findall(r"`((?:plugin|tests|bench|examples|schemas|recipes)/[A-Za-z0-9_./-]*)`", text))
-    missing = sorted(p for p in paths if not (PLUGIN.parent / p).exists())
+    root = PLUGIN.parent
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    missing = []
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        paths = set(re.findall(r"`((?:plugin|tests|bench|examples|schemas|recipes|docs)/[A-Za-z0-9_./-]*)`", text))
+        missing += [f"{page.name}: {p}" for p in sorted(paths) if not (root / p).exists()]
+        for target, anchor in re.findall(r"\]\(((?!https?:)[^)#\s]*)(?:#([^)\s]+))?\)", text):
+            linked = (page.parent / target).resolve() if target else page
+            if not linked.exists():
+                missing += [f"{page.name}: link to {target}"]
+            elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked.read_text(encoding="utf-8")):
+                missing += [f"{page.name}: link to {target or page.name}#{anchor}"]
     assert not missing, missing
-    section = text[text.index("## Layout of the code"):]
+    section = CODE_MAP.read_text(encoding="utf-8")
+    section = section[section.index("## Layout of the code"):]
     chain = re.findall(r"`([a-z_]+/[a-z_/]+\.py)`", section[section.index("in reading order"):])  # under plugin/
     missing = [p for p in chain if not (PLUGIN / p).exists()]
     assert len(chain) > 5 and not missing, missing
+
+
+def _anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation but - and _ dropped, spaces to -."""
+    import re
+
+    prose = re.sub(r"^```.*?^```", "", markdown, flags=re.M | re.S)  # a "# comment" in a code block is no heading
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#{1,6} (.+)$", prose, re.M)}

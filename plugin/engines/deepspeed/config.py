@@ -51,7 +51,7 @@ def size_buckets(zero: dict, numels: list[int], dp: int) -> None:
 
 
 # The keys engine_config changes in the exported ds_config (plugin.interop.deepspeed_config.to_ds_config), and why.
-# The README ("what the engine adds to the export") lists the same; a test compares the config a running engine
+# docs/engines.md ("What the engine adds to the export") lists the same; a test compares the config a running engine
 # holds with the export key by key and allows these differences only.
 ENGINE_ADJUSTED_KEYS = {
     "optimizer": "dropped: the engine passes torch's optimizer, built from the recipe's optimizer with the same "

@@ -3,6 +3,8 @@ filter, TensorBoard, the plot and the rank map."""
 import io
 import json
 import logging
+import re
+import time
 import xml.etree.ElementTree as ET
 from typing import NamedTuple
 
@@ -69,13 +71,32 @@ def test_the_live_line_on_a_terminal():
 
 def test_metrics_file_writes_the_issues_keys(tmp_path):
     path = tmp_path / "m-{rank}.jsonl"
-    m = MetricsFile(str(path), 3, append=False)
+    m = MetricsFile(str(path), 3, resumed_at=None)
     m.write(_report(step=1))
     m.write(_report(step=2), eval_loss=2.5)
     m.close()
     records = read_metrics(tmp_path / "m-3.jsonl")
     assert list(records[0]) == list(METRIC_KEYS) and records[1]["eval_loss"] == 2.5 and "eval_loss" not in records[0]
 
+
+
+def test_a_resumed_metrics_file_holds_one_timeline(tmp_path):
+    """Resumed at step 4 of a run that logged 1-6 and was cut inside line 7: steps 1-4, then the resumed 5 and 6."""
+    path = tmp_path / "m.jsonl"
+    m = MetricsFile(str(path), 0, resumed_at=None)
+    for s in range(1, 7):
+        m.write(_report(step=s, loss=9.0))
+    m.close()
+    with open(path, "a") as f:
+        f.write('{"step": 7, "lo')
+    m = MetricsFile(str(path), 0, resumed_at=4)
+    for s in (5, 6):
+        m.write(_report(step=s, loss=1.0))
+    m.close()
+    records = read_metrics(path)
+    assert [(r["step"], r["loss"]) for r in records] == [(1, 9.0), (2, 9.0), (3, 9.0), (4, 9.0), (5, 1.0), (6, 1.0)]
+    MetricsFile(str(tmp_path / "new.jsonl"), 0, resumed_at=4).close()  # resumed, but no file yet: made
+    assert read_metrics(tmp_path / "new.jsonl") == []
 
 def test_the_chatter_filter_keeps_everything_else(monkeypatch):
     out = io.StringIO()
@@ -113,6 +134,30 @@ def test_tensorboard_scalars_read_back(tmp_path):
     assert [e.value for e in events.Scalars("train/loss")] == [3.25, 3.25]
     assert [e.step for e in events.Scalars("perf/mfu")] == [2] and [e.step for e in events.Scalars("eval/loss")] == [2]
     assert {"recipe/text_summary", "layout/text_summary"} <= set(events.Tags()["tensors"])
+
+
+def test_a_resumed_tensorboard_holds_one_timeline(tmp_path):
+    """A run resumed from step 4 of one that logged 1-8 into the same DIR: TensorBoard shows 1-4, then the resumed
+    5-6 (without purge_step it showed 1-8 and then 5-6 again, the line drawn back from 8 to 5)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from plugin.monitor.tensorboard import TensorBoard
+
+    recipe = load_recipe("cpu_single")
+    first = TensorBoard(str(tmp_path), recipe, {"backend": "native"})
+    for step in range(1, 9):
+        first.write(_report(step=step), eval_loss=1.0 if step % 4 == 0 else None)
+    first.close()
+    time.sleep(1.1)  # event files are named by the second, then pid and a counter: the resumed run's must sort after
+    resumed = TensorBoard(str(tmp_path), recipe, {"backend": "native"}, resumed_at=4)
+    for step in (5, 6):
+        resumed.write(_report(step=step, loss=2.0))
+    resumed.close()
+    events = EventAccumulator(str(tmp_path)).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == \
+        [(1, 3.25), (2, 3.25), (3, 3.25), (4, 3.25), (5, 2.0), (6, 2.0)]
+    assert [e.step for e in events.Scalars("eval/loss")] == [4]
 
 
 def test_tensorboard_missing_is_one_line(monkeypatch, capsys):
@@ -198,3 +243,42 @@ def test_rank_map_takes_any_further_axis():
     svg = rank_map_svg(FourAxes(), gpus_per_node=8)
     assert ">context 2</text>" in svg and len(_cells(svg)) == 4 * 16
     assert "rank 6: pipeline 0, data 1, context 1, tensor 0" in svg
+
+
+def _text_extents(svg: str) -> list[tuple[str, float, float]]:
+    """(text, x, estimated right end) of every SVG text left-anchored (DejaVu Sans: ~0.6 em a character, bold 0.65)."""
+    out = []
+    for t in ET.fromstring(svg).iter("{http://www.w3.org/2000/svg}text"):
+        if t.get("text-anchor") == "middle":
+            continue
+        em = float(t.get("font-size")) * (0.65 if t.get("font-weight") == "bold" else 0.6)
+        out.append((t.text, float(t.get("x")), float(t.get("x")) + em * len(t.text)))
+    return out
+
+
+@pytest.mark.parametrize("topology, per_node", [
+    (Topology(pp_size=4, dp_size=128, tp_size=4), 8),  # 2048 ranks, aggregated: 128 data replicas in the legend
+    (Topology(pp_size=2, dp_size=32, tp_size=8), 8),
+    (Topology(pp_size=1, dp_size=16, tp_size=2), None),  # no cluster block: the header says 8 per node assumed
+])
+def test_rank_map_text_stays_inside_the_picture_and_apart(topology, per_node):
+    svg = rank_map_svg(topology, gpus_per_node=per_node, title="rank map of a long recipe name")
+    width = float(ET.fromstring(svg).get("width"))
+    extents = _text_extents(svg)
+    assert [t for t, _, right in extents if right > width] == []
+    titles = [(t, right) for t, _, right in extents if re.fullmatch(r"(tensor|data|pipeline) \d+", t)]
+    notes = [x for t, x, _ in extents if t.startswith("colour: ")]
+    assert len(titles) == len(notes) == sum(s > 1 for s in (topology.tp_size, topology.dp_size, topology.pp_size))
+    assert all(x > right for (_, right), x in zip(titles, notes, strict=True)), (titles, notes)
+
+
+@pytest.mark.parametrize("topology, header", [
+    (Topology(pp_size=2, dp_size=2, tp_size=2), "pipeline 2 x data 2 x tensor 2 = 8 ranks on 1 node x 8 GPUs"),
+    (Topology(pp_size=2, tp_size=2), "pipeline 2 x tensor 2 (data 1) = 4 ranks on 1 node x 4 GPUs"),
+    (Topology(), "pipeline 1 x data 1 x tensor 1 = 1 rank on 1 node x 1 GPU"),
+])
+def test_rank_map_header_names_the_layout_slowest_first(topology, header):
+    """An axis of size 1 has no place in the rank order: it follows in brackets (it once led: "data 1 x pipeline 2 x
+    tensor 2", against the panels' and the rank order's tensor-first nesting)."""
+    svg = rank_map_svg(topology, gpus_per_node=8)
+    assert header in [t for t, _, _ in _text_extents(svg)]
