@@ -21,6 +21,10 @@ from ..errors import Problem
 from ..recipe.elastic import elastic_problems, usable_world
 
 DEFAULT_MAX_RESTARTS = 3
+# torch's c10d rendezvous waits 30 s (last_call_timeout) for more nodes once MIN are there: most of a recovery's time
+# here. The survivors of a loss fail together and a newcomer is announced to every agent at once, so 5 s takes them
+# all; a node arriving later only starts one more round (a membership change: no restart spent).
+LAST_CALL_S = 5
 
 
 def node_range(text: str) -> tuple[int, int]:
@@ -59,6 +63,7 @@ def elastic_command(python: str, nodes: tuple[int, int], per_node: int, endpoint
     lo, hi = nodes
     cmd = [python, "-m", "torch.distributed.run", "--nnodes", f"{lo}:{hi}", "--nproc_per_node", str(per_node),
            "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", run_id,
+           "--rdzv_conf", f"last_call_timeout={LAST_CALL_S}",
            "--max_restarts", str(DEFAULT_MAX_RESTARTS if max_restarts is None else max_restarts),
            *train, *([] if "--elastic" in train else ["--elastic"])]
     return cmd, {NO_SHARED_STORE: "1"}

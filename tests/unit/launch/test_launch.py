@@ -201,7 +201,7 @@ def test_elastic_is_torchruns_c10d_rendezvous_with_the_shared_store_off(tmp_path
     out = capsys.readouterr().out
     assert out.startswith("OMP_NUM_THREADS=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 ")
     assert ("-m torch.distributed.run --nnodes 1:3 --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint "
-            "10.0.0.1:29400 --rdzv_id el-29400 --max_restarts 5 ") in out
+            "10.0.0.1:29400 --rdzv_id el-29400 --rdzv_conf last_call_timeout=5 --max_restarts 5 ") in out
     assert out.rstrip().endswith(f"--recipe {recipe} --save ck --elastic")
 
 
