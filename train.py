@@ -135,11 +135,10 @@ def main(argv=None):
         print("--save-every and --keep need --save DIR", file=sys.stderr)
         return 2
     if args.elastic:
-        if args.resume not in (None, AUTO) or not args.save:
-            print("--elastic resumes every restart from --save's latest complete step: give --save DIR (and no "
-                  f"--resume {args.resume})" if args.resume not in (None, AUTO) else
-                  "--elastic resumes every restart from --save's latest complete step: give --save DIR",
-                  file=sys.stderr)
+        other = args.resume not in (None, AUTO)
+        if other or not args.save:
+            print("--elastic resumes every restart from --save's latest complete step: give --save DIR"
+                  + (f" (and no --resume {args.resume})" if other else ""), file=sys.stderr)
             return 2
         args.resume = AUTO
     problem = resume_problem(args.resume, args.save)
@@ -183,8 +182,9 @@ def main(argv=None):
                 print(world.sit_out_line(recipe.name), file=sys.stderr, flush=True)
             return 0
         os.environ["WORLD_SIZE"] = str(world.usable)
-        if world.rank == 0 and shared_store_warning(os.environ):
-            print(shared_store_warning(os.environ), file=sys.stderr)
+        warning = shared_store_warning(os.environ)
+        if warning and world.rank == 0:
+            print(warning, file=sys.stderr)
     resume = resume_from(args.resume, args.save)  # --resume auto: None on a fresh start
     heartbeat = Heartbeat(args.save, os.environ.get("TORCHELASTIC_RUN_ID", "")) if args.resume == AUTO else None
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:

@@ -31,6 +31,8 @@ def test_resume_auto_and_elastic_need_a_save_directory(capsys):
     assert train.main(["--recipe", "cpu_single", "--elastic"]) == 2
     assert "--elastic resumes every restart from --save's latest complete step: give --save DIR" in \
         capsys.readouterr().err
+    assert train.main(["--recipe", "cpu_single", "--elastic", "--save", "ck", "--resume", "old"]) == 2
+    assert "give --save DIR (and no --resume old)" in capsys.readouterr().err
 
 
 def test_a_surplus_rank_of_an_elastic_start_exits_0_at_once_before_any_group(tmp_path, monkeypatch, capsys):
