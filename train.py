@@ -16,6 +16,7 @@ end, and prints a summary. DeepSpeed's own log lines stay out of the console unl
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,6 +24,9 @@ import torch
 import plugin
 from plugin.checkpoint.directory import complete_steps
 from plugin.data.text import TextBatches
+from plugin.elastic.ledger import Heartbeat
+from plugin.elastic.resume import AUTO, resume_from, resume_problem
+from plugin.elastic.world import follow_world, shared_store_warning
 from plugin.errors import PluginError, RecipeError
 from plugin.launch.launcher import check_train_script
 from plugin.monitor import tensorboard
@@ -57,8 +61,14 @@ def parse_args(argv=None):
                    "(DIR/step-00000050, DIR/latest)")
     p.add_argument("--save-every", type=int, metavar="N", help="also save every N steps (needs --save)")
     p.add_argument("--keep", type=int, metavar="K", help="keep the last K complete checkpoints under --save")
-    p.add_argument("--resume", metavar="DIR", help="resume from the last complete checkpoint under DIR (a save "
-                   "of step s then removes the checkpoints of steps above s under --save: an abandoned timeline)")
+    p.add_argument("--resume", metavar="DIR|auto", help="resume from the last complete checkpoint under DIR (a save "
+                   "of step s then removes the checkpoints of steps above s under --save: an abandoned timeline); "
+                   "auto: from --save's latest complete step when it has one, else start fresh (one command line "
+                   "for every restart; metrics then carry the run's restart count)")
+    p.add_argument("--elastic", action="store_true", help="follow a world that changes between restarts (torchrun "
+                   "--nnodes MIN:MAX, launch.sh --elastic): the recipe needs \"data\": \"auto\" and batch.global; "
+                   "each start trains on the most launched processes the recipe can use, the rest exit 0 at once; "
+                   "needs --save DIR and resumes as --resume auto")
     p.add_argument("--model", default="gpt",
                    help="gpt: the reference GPT; llama, qwen2, mistral, gpt2: transformers models sized by the "
                    "recipe's model block; or a config.json path (random weights; must agree with the recipe); or "
@@ -124,6 +134,17 @@ def main(argv=None):
     if (args.save_every or args.keep) and not args.save:  # before any process group: every rank exits alike
         print("--save-every and --keep need --save DIR", file=sys.stderr)
         return 2
+    if args.elastic:
+        other = args.resume not in (None, AUTO)
+        if other or not args.save:
+            print("--elastic resumes every restart from --save's latest complete step: give --save DIR"
+                  + (f" (and no --resume {args.resume})" if other else ""), file=sys.stderr)
+            return 2
+        args.resume = AUTO
+    problem = resume_problem(args.resume, args.save)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     counts = {"--save-every": args.save_every, "--keep": args.keep, "--eval-every": args.eval_every,
               "--eval-batches": args.eval_batches, "--log-every": args.log_every}
     if any(v is not None and v < 1 for v in counts.values()):
@@ -149,6 +170,23 @@ def main(argv=None):
     if problems:
         print("\n".join(p.format() for p in problems), file=sys.stderr)
         return 2
+    if args.elastic:  # before any process group: the surplus ranks leave, the others build their groups alone
+        try:
+            world = follow_world(recipe, os.environ)
+        except RecipeError as e:
+            if os.environ.get("RANK", "0") == "0":
+                print("\n".join(p.format() for p in e.problems), file=sys.stderr)
+            return 2
+        if not world.trains:
+            if world.rank == world.usable:
+                print(world.sit_out_line(recipe.name), file=sys.stderr, flush=True)
+            return 0
+        os.environ["WORLD_SIZE"] = str(world.usable)
+        warning = shared_store_warning(os.environ)
+        if warning and world.rank == 0:
+            print(warning, file=sys.stderr)
+    resume = resume_from(args.resume, args.save)  # --resume auto: None on a fresh start
+    heartbeat = Heartbeat(args.save, os.environ.get("TORCHELASTIC_RUN_ID", "")) if args.resume == AUTO else None
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
@@ -186,14 +224,14 @@ def main(argv=None):
 
     data = TextBatches(recipe.model.vocab, recipe.model.seq_len, seed=args.seed)  # its own generator
     try:
-        state = engine.load(args.resume) if args.resume else {"step": 0}
+        state = engine.load(resume) if resume else {"step": 0}
         start = state["step"]
         if windows is not None:  # the same global batch at step i whatever the layout; the position in checkpoints
             loader = engine.dataloader(windows[0], seed=args.seed)
             if "data" in state:
                 loader.load_state_dict(state["data"])
             elif start:  # restarting the data at step N would train epoch 0's rows again, exit 0
-                raise PluginError(f"--resume {args.resume}: the checkpoint (step {start}) holds no --data position "
+                raise PluginError(f"--resume {resume}: the checkpoint (step {start}) holds no --data position "
                                   "-> resume with the data it was trained on, or start without --resume")
     except PluginError as e:  # every rank reads the same checkpoint and reaches the same verdict
         print(e, file=sys.stderr)
@@ -209,9 +247,17 @@ def main(argv=None):
     def save_kwargs():  # the data position travels in the checkpoint, so --resume continues where it stopped
         return {"keep": args.keep, "client_state": {"data": loader.state_dict()} if windows is not None else None}
     main_rank = engine.is_main
+    if heartbeat is not None:
+        heartbeat.begin(main_rank, engine.layout.data, engine.topology.world_size)
+        if main_rank:
+            print(f"resume auto: start {heartbeat.start} of the run in {args.save} (torchrun restart "
+                  f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '-')}): "
+                  + (f"from step {start} ({resume})" if resume else "no complete checkpoint there, a fresh start"),
+                  file=sys.stderr)
     metrics = None
     if args.metrics and (main_rank or "{rank}" in args.metrics):
-        metrics = MetricsFile(args.metrics, engine.rank, resumed_at=start if args.resume else None)
+        metrics = MetricsFile(args.metrics, engine.rank, resumed_at=start if args.resume else None,
+                              extra={"restart": heartbeat.start} if heartbeat is not None else None)
     board = tensorboard.TensorBoard(args.tensorboard, recipe, engine.describe(),
                                     resumed_at=start if args.resume else None) if args.tensorboard and main_rank \
         else None
@@ -220,6 +266,9 @@ def main(argv=None):
     for step in range(start, args.steps):
         loss = engine.train_step(next_batch(step))
         losses.append(loss)
+        recovered = heartbeat.beat(step + 1, time.time()) if heartbeat is not None else None
+        if recovered and main_rank:
+            print(recovered, file=sys.stderr, flush=True)
         elapsed += engine.last_step.step_time_s
         last = step + 1 == args.steps
         if args.save and (last or (args.save_every and (step + 1) % args.save_every == 0)):

@@ -13,6 +13,9 @@ one node: the hosts and slots come from the file (:func:`read_hostfile`), so the
 recipe is the whole job's; without ``--master`` no address is passed and DeepSpeed's runner asks the first
 host for its own (``ssh HOST hostname -I``), with its default port.
 
+An elastic job (``--elastic MIN:MAX`` instead of ``--nodes N``, run on each node with the same ``--master``, the
+rendezvous endpoint) is torchrun's elastic agent: :mod:`.elastic`.
+
 Relative paths (the recipe, the hostfile, train.py's own arguments) are the caller's: launch.sh does not
 change directory, and the recipe reaches train.py as an absolute path.
 """
@@ -30,6 +33,7 @@ from pathlib import Path
 from ..errors import Problem
 from ..interop.precision import PRECISIONS
 from ..recipe.checks import validate
+from .elastic import elastic_command, elastic_launch_problems, node_range
 from .hostfile import HostfileError, read_hostfile
 from .machine import Machine
 
@@ -48,6 +52,8 @@ class Request:
     hostfile: str | None = None  # a DeepSpeed hostfile: DeepSpeed's ssh-based launch of every host
     dry_run: bool = False
     train_args: list = field(default_factory=list)
+    elastic: tuple[int, int] | None = None  # (MIN, MAX) nodes: torchrun's elastic agent, c10d rendezvous
+    max_restarts: int | None = None  # with elastic: torchrun's --max_restarts (default DEFAULT_MAX_RESTARTS)
 
 
 class LaunchError(Exception):
@@ -106,7 +112,14 @@ def plan_world(recipe, req: Request, machine: Machine) -> World:
     return World(per, nodes, per * nodes)
 
 
-def pick_launcher(recipe, requested: str, machine: Machine) -> str:
+def pick_launcher(recipe, requested: str, machine: Machine, elastic: bool = False) -> str:
+    if elastic:  # torchrun alone restarts workers on a membership change; train.py still picks the back end
+        if requested in ("deepspeed", "accelerate"):
+            who = "DeepSpeed's launcher" if requested == "deepspeed" else "accelerate launch"
+            raise LaunchError(f"--launcher {requested} with --elastic: {who} starts a fixed world and has no elastic "
+                              "mode -> --launcher torchrun (or auto): train.py picks the same back end under "
+                              "torchrun, DeepSpeed's engine included")
+        return "torchrun"
     wanted = requested if requested != "auto" else recipe.launcher
     deepspeed_allowed = recipe.parallelism.pipeline == 1 or recipe.pipeline_parallel.schedule == "1f1b"
     if wanted == "deepspeed":
@@ -171,7 +184,7 @@ def no_ssh_hostfile(nodes: int, slots: int) -> Path:
 def build_command(recipe_path: str, recipe, req: Request, machine: Machine,
                   world: World | None = None) -> tuple[list[str], dict]:
     """(argv, extra environment) of the launch; ``world`` as :func:`plan_world` gives it (computed if None)."""
-    launcher = pick_launcher(recipe, req.launcher, machine)
+    launcher = pick_launcher(recipe, req.launcher, machine, elastic=req.elastic is not None)
     if req.hostfile and launcher != "deepspeed":
         raise LaunchError(f"--hostfile is DeepSpeed's ssh-based launch; the {launcher} launcher cannot use it -> "
                           "run launch.sh on each node with --nodes N --node-rank R --master ADDR:PORT, "
@@ -184,7 +197,12 @@ def build_command(recipe_path: str, recipe, req: Request, machine: Machine,
     if not machine.gpus:
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
     multi = req.nodes > 1
-    if launcher == "deepspeed":
+    if req.elastic:
+        addr, port = _split_master(req.master)
+        cmd, more = elastic_command(machine.python, req.elastic, nproc, f"{addr}:{port}", f"{recipe.name}-{port}",
+                                    req.max_restarts, train)
+        env.update(more)
+    elif launcher == "deepspeed":
         exe = str(bindir / "deepspeed") if (bindir / "deepspeed").exists() else "deepspeed"
         cmd = [exe]
         if req.hostfile:  # DeepSpeed finds the master itself (first host, by ssh) unless --master says
@@ -239,16 +257,37 @@ def parse(argv: list[str]) -> Request:
     p.add_argument("--master", help="ADDR:PORT of node 0")
     p.add_argument("--hostfile", help="a DeepSpeed hostfile, 'HOST slots=N' per line: DeepSpeed starts every host "
                                       "by ssh (deepspeed launcher only)")
+    p.add_argument("--elastic", metavar="MIN:MAX", help="an elastic job of MIN to MAX nodes (instead of --nodes; run "
+                   "on each node with the same --master, the rendezvous endpoint): torchrun restarts the workers on "
+                   "every membership change and train.py resumes from --save")
+    p.add_argument("--max-restarts", type=int, metavar="K", help="with --elastic: restarts after failures before the "
+                   "job gives up (torchrun's --max_restarts; default 3; a node joining does not count)")
     p.add_argument("--dry-run", action="store_true", help="print the command, start nothing")
     p.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE, help=f"default: {DEFAULT_RECIPE}")
     a = p.parse_args(argv)
     if a.hostfile and (a.nodes is not None or a.node_rank is not None):
         p.error("--hostfile lists the nodes itself: drop --nodes/--node-rank (--master ADDR:PORT may stay)")
+    elastic = None
+    if a.elastic is not None:
+        if a.nodes is not None or a.node_rank is not None or a.hostfile:
+            p.error("--elastic MIN:MAX replaces --nodes/--node-rank/--hostfile: the rendezvous numbers the nodes")
+        try:
+            elastic = node_range(a.elastic)
+        except ValueError as e:
+            p.error(str(e))
+        if elastic[1] > 1 and not a.master:
+            p.error("--elastic with MAX > 1 needs --master ADDR:PORT, the rendezvous endpoint every node's launch.sh "
+                    "gives (the first agent there hosts it)")
+    elif a.max_restarts is not None:
+        p.error("--max-restarts goes with --elastic MIN:MAX")
+    if a.max_restarts is not None and a.max_restarts < 0:
+        p.error("--max-restarts takes a number of at least 0")
     nodes, node_rank = a.nodes or 1, a.node_rank or 0
     if nodes > 1 and not a.master:
         p.error("--nodes > 1 needs --master ADDR:PORT (or --hostfile FILE instead of --nodes)")
     return Request(recipe=a.recipe, launcher=a.launcher, nproc=a.nproc, nodes=nodes, node_rank=node_rank,
-                   master=a.master, hostfile=a.hostfile, dry_run=a.dry_run, train_args=train_args)
+                   master=a.master, hostfile=a.hostfile, dry_run=a.dry_run, train_args=train_args,
+                   elastic=elastic, max_restarts=a.max_restarts)
 
 
 def main(argv: list[str] | None = None, machine: Machine | None = None) -> int:
@@ -264,8 +303,12 @@ def main(argv: list[str] | None = None, machine: Machine | None = None) -> int:
         return 2
     try:
         world = plan_world(recipe, req, machine)
-        _, check = validate(req.recipe, world.total)
-        errors = [p for p in check if p.is_error] + check_train_script(recipe)
+        if req.elastic:  # the world changes: the recipe must follow it at every node count of the range
+            errors = elastic_launch_problems(recipe, req.elastic, world.per_node, req.train_args)
+        else:
+            _, check = validate(req.recipe, world.total)
+            errors = [p for p in check if p.is_error]
+        errors += check_train_script(recipe)
         if errors:
             print("\n".join(p.format() for p in errors), file=sys.stderr)
             return 2

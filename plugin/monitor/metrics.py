@@ -3,7 +3,8 @@
 Keys (:data:`.record.METRIC_KEYS`): ``step``, ``loss``, ``tokens_per_s``, ``lr``, ``grad_norm``, ``tokens``,
 ``step_time_s``, ``memory_gb``, ``mfu``, and ``eval_loss`` on evaluation steps. Rank 0 writes it; a PATH with
 ``{rank}`` in it makes every rank write its own (the loss, lr and norm are the same on every rank; step time and
-tokens/s are each rank's).
+tokens/s are each rank's). ``extra`` keys go into every record (``--resume auto``: ``restart``, the run's start
+number, the start that trained each step).
 
 A resumed run (``--resume``) continues the file as one timeline, like the checkpoint directory: the lines of the
 steps after the checkpoint's (what the interrupted run logged past its last save, or a later run's) are dropped
@@ -18,14 +19,15 @@ import os
 class MetricsFile:
     """``resumed_at``: None starts the file afresh; a step number keeps the lines up to that step and appends."""
 
-    def __init__(self, path: str, rank: int, *, resumed_at: int | None):
+    def __init__(self, path: str, rank: int, *, resumed_at: int | None, extra: dict | None = None):
         path = path.replace("{rank}", str(rank))
         if resumed_at is not None and os.path.exists(path):
             _keep_up_to(path, resumed_at)
         self.file = open(path, "w" if resumed_at is None else "a", encoding="utf-8")
+        self.extra = extra or {}
 
     def write(self, report, eval_loss: float | None = None) -> None:
-        record = report.to_json()
+        record = {**report.to_json(), **self.extra}
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
         self.file.write(json.dumps(record) + "\n")

@@ -1,4 +1,5 @@
 """train.py refuses what it cannot train with a message and exit 2, before any process group (no traceback)."""
+import json
 import sys
 from pathlib import Path
 
@@ -21,3 +22,27 @@ def test_recipe_without_a_model_block(capsys):
     assert train.main(["--recipe", str(ROOT / "examples" / "lenet_dp.json")]) == 2
     assert "lenet_dp.json: $.model: train.py builds its model from the recipe's model block -> add one" in \
         capsys.readouterr().err
+
+
+def test_resume_auto_and_elastic_need_a_save_directory(capsys):
+    assert train.main(["--recipe", "cpu_single", "--resume", "auto"]) == 2
+    assert "--resume auto resumes from the --save directory's latest complete step: give --save DIR" in \
+        capsys.readouterr().err
+    assert train.main(["--recipe", "cpu_single", "--elastic"]) == 2
+    assert "--elastic resumes every restart from --save's latest complete step: give --save DIR" in \
+        capsys.readouterr().err
+    assert train.main(["--recipe", "cpu_single", "--elastic", "--save", "ck", "--resume", "old"]) == 2
+    assert "give --save DIR (and no --resume old)" in capsys.readouterr().err
+
+
+def test_a_surplus_rank_of_an_elastic_start_exits_0_at_once_before_any_group(tmp_path, monkeypatch, capsys):
+    data = json.loads((ROOT / "recipes" / "cpu_tp2_dp2.json").read_text())
+    data["name"], data["parallelism"] = "el", {"data": "auto", "tensor": 2, "pipeline": 1}
+    (tmp_path / "el.json").write_text(json.dumps(data))
+    for key, value in {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    assert train.main(["--recipe", str(tmp_path / "el.json"), "--elastic", "--save", str(tmp_path / "ck")]) == 0
+    assert capsys.readouterr().err.strip() == (
+        "elastic: rank 2 sits out this start (exit 0 now, back at the next restart): el trains on 2 of the 3 "
+        "processes, data 1 x tensor 2 x pipeline 1, the most it can use")
+    assert not torch.distributed.is_initialized() and not (tmp_path / "ck").exists()

@@ -1,4 +1,5 @@
 """launch.sh's choices (plugin.launch): validation first, launcher, process count, the exact command."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -182,3 +183,44 @@ def test_launch_sh_resolves_paths_against_the_callers_directory(tmp_path):
     out = subprocess.run([str(ROOT / "launch.sh"), "--dry-run", "cpu_tp2_dp2"], capture_output=True, text=True,
                          cwd=tmp_path, env=env)
     assert out.returncode == 0 and str(ROOT / "recipes" / "cpu_tp2_dp2.json") in out.stdout, out.stderr
+
+
+def _elastic_recipe(tmp_path):
+    data = json.loads((ROOT / "recipes" / "cpu_tp2_dp2.json").read_text())
+    data["name"], data["parallelism"] = "el", {"data": "auto", "tensor": 2, "pipeline": 1}
+    path = tmp_path / "el.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_elastic_is_torchruns_c10d_rendezvous_with_the_shared_store_off(tmp_path, capsys):
+    recipe = _elastic_recipe(tmp_path)
+    argv = ["--dry-run", "--elastic", "1:3", "--max-restarts", "5", "--master", "10.0.0.1:29400", "--nproc", "2",
+            recipe, "--", "--save", "ck"]
+    assert main(argv, machine=CPU_ALL) == 0  # deepspeed installed: the engine is train.py's choice under torchrun
+    out = capsys.readouterr().out
+    assert out.startswith("OMP_NUM_THREADS=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 ")
+    assert ("-m torch.distributed.run --nnodes 1:3 --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint "
+            "10.0.0.1:29400 --rdzv_id el-29400 --rdzv_conf last_call_timeout=5 --max_restarts 5 ") in out
+    assert out.rstrip().endswith(f"--recipe {recipe} --save ck --elastic")
+
+
+def test_elastic_refusals_come_before_anything_starts(tmp_path, capsys):
+    recipe = _elastic_recipe(tmp_path)
+    common = ["--dry-run", "--master", "h:1", "--nproc", "2"]
+    assert main([*common, "--elastic", "1:2", "--launcher", "deepspeed", recipe, "--", "--save", "ck"],
+                machine=CPU_ALL) == 1
+    assert "--launcher deepspeed with --elastic: DeepSpeed's launcher starts a fixed world" in capsys.readouterr().err
+    assert main([*common, "--elastic", "1:2", recipe], machine=CPU_ALL) == 2
+    assert "--save: an elastic job resumes every restart from train.py's --save directory" in capsys.readouterr().err
+    assert main([*common, "--elastic", "1:2", "cpu_tp2_dp2", "--", "--save", "ck"], machine=CPU_ALL) == 2
+    assert "$.parallelism.data" in capsys.readouterr().err  # a fixed data degree cannot follow the world
+    assert main(["--dry-run", "--nproc", "1", "--elastic", "1:2", "--master", "h:1", recipe, "--", "--save", "ck"],
+                machine=CPU_ALL) == 2
+    assert "at 1 node(s) of 1 process(es) no number of processes trains the recipe" in capsys.readouterr().err
+    for bad, said in ((["--elastic", "2:1", "--master", "h:1"], "expected 1 <= MIN <= MAX"),
+                      (["--elastic", "1:2"], "needs --master ADDR:PORT"),
+                      (["--elastic", "1:2", "--nodes", "2", "--master", "h:1"], "replaces --nodes"),
+                      (["--max-restarts", "2"], "--max-restarts goes with --elastic")):
+        assert main(["--dry-run", *bad, recipe], machine=CPU_ALL) == 1
+        assert said in capsys.readouterr().err
