@@ -334,5 +334,5 @@ class Engine(abc.ABC):
     def describe(self) -> dict[str, Any]:
         lay = self.layout
         return {"backend": self.backend, "data": lay.data, "tensor": lay.tensor, "pipeline": lay.pipeline,
-                "zero": self.recipe.zero.stage, "precision": self.recipe.precision,
+                "context": lay.context, "zero": self.recipe.zero.stage, "precision": self.recipe.precision,
                 "global_batch": lay.global_batch, "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum}

@@ -7,9 +7,9 @@ installed (no torch import; :func:`plugin.engines.initialize.choose_backend` fee
   Accelerate cannot carry (:func:`accelerate_mode`): ``Accelerator`` itself trains, with DDP, its
   DeepSpeed plugin (which imports transformers: only where deepspeed and transformers are both installed)
   or its FSDP2 plugin.
-* ``"native"``: everything else: DeepSpeed missing, launcher torchrun/accelerate, tensor or pipeline
-  parallelism under ``accelerate launch``, or what Accelerate cannot do on this device or with what is
-  installed (ZeRO >= 1 without transformers: as without deepspeed).
+* ``"native"``: everything else: DeepSpeed missing, launcher torchrun/accelerate, tensor, pipeline or context
+  parallelism under ``accelerate launch``, or what Accelerate cannot do on this device or with what is installed
+  (ZeRO >= 1 without transformers: as without deepspeed).
 
 ``accelerate launch`` is recognised by ``ACCELERATE_MIXED_PRECISION``, which its simple, multi-GPU/CPU and
 DeepSpeed launchers all export to every process they start (accelerate 1.x, ``utils/launch.py``);
@@ -41,9 +41,10 @@ def accelerate_mode(recipe, *, cuda: bool, has_deepspeed: bool, has_transformers
 
     Accelerate's DeepSpeed plugin imports transformers (``HfDeepSpeedConfig``, accelerate 1.x), so without
     transformers ZeRO >= 1 is decided as if deepspeed were missing, and the reason says so."""
-    if recipe.parallelism.tensor > 1 or recipe.parallelism.pipeline > 1:
-        return None, ("tensor/pipeline parallelism: Accelerate takes no custom process groups, so the plugin's "
-                      "native back end builds them")
+    par = recipe.parallelism
+    if par.tensor > 1 or par.pipeline > 1 or par.context > 1:
+        return None, ("tensor/pipeline/context parallelism: Accelerate takes no custom process groups, so the "
+                      "plugin's native back end builds them")
     if recipe.precision == "fp16" and not cuda:
         return None, "fp16 on CPU: Accelerate would silently train in fp32 there; the native back end autocasts"
     z = recipe.zero

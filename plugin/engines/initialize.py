@@ -171,6 +171,9 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
     check_launch(recipe, env)
+    if recipe.parallelism.context > 1:  # the engines learn the axis in the next commits; until then, refused
+        _fail([Problem("$.parallelism.context", "context parallelism is not trained by any back end yet",
+                       'set "context": 1')], env)
     model = as_module(build_on_meta(model))
     units = _capture(model)  # before any wrapping, the same on every rank: refuses a module that cannot be filled
     source = _weights_source(weights, units, model)
@@ -237,5 +240,5 @@ def startup_line(engine) -> str:
     backend = d["backend"] + (f" ({mode})" if mode else "")
     groups = dist.get_backend() if dist.is_initialized() else "no process group"
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
-    return (f"start: {backend} on {engine.device.type}, {groups}, data {d['data']} x tensor {d['tensor']} x "
-            f"pipeline {d['pipeline']}, ZeRO-{d['zero']}, {d['precision']} (torch {torch.__version__}, {build})")
+    return (f"start: {backend} on {engine.device.type}, {groups}, {engine.layout.words}, ZeRO-{d['zero']}, "
+            f"{d['precision']} (torch {torch.__version__}, {build})")
