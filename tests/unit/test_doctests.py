@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 MODULES = ["plugin.distributed.topology", "plugin.pipeline_parallel.stages", "plugin.planning.units",
-           "plugin.materialize.seeds"]
+           "plugin.materialize.seeds", "plugin.recipe.layout", "plugin.context_parallel.chunks"]
 
 
 @pytest.mark.parametrize("name", MODULES)
