@@ -135,6 +135,27 @@ def _warn_on_launch_precision(recipe: Recipe, env) -> None:
               file=sys.stderr)
 
 
+def _check_context_parallel(model, recipe: Recipe, backend: str, env) -> None:
+    """Before any group: a model whose attention cannot be told the sequence is split, and back ends that cannot take
+    the context groups, are refused."""
+    from ..context_parallel.apply import supports_context_parallel
+
+    problems = []
+    why = supports_context_parallel(model)
+    if why:
+        problems.append(Problem("$.parallelism.context", why, 'use the reference GPT or a transformers causal LM, or '
+                                'set "context": 1'))
+    if backend == "accelerate":
+        problems.append(Problem("$.parallelism.context", "Accelerate's Accelerator takes no custom process groups, so "
+                                "it cannot reduce gradients over data x context", 'use backend "native" (what '
+                                "accelerate launch runs for a context axis) or \"deepspeed\""))
+    if backend == "deepspeed":
+        problems.append(Problem("$.parallelism.context", "the DeepSpeed back end does not train a context axis yet",
+                                'set "launcher": "torchrun" (the native back end)'))
+    if problems:
+        _fail([p.with_file(recipe.source) for p in problems], env)
+
+
 def _fail(problems: list[Problem], env) -> None:
     if env.is_main:
         print("\n".join(p.format() for p in problems), file=sys.stderr, flush=True)
@@ -171,9 +192,6 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
     check_launch(recipe, env)
-    if recipe.parallelism.context > 1:  # the engines learn the axis in the next commits; until then, refused
-        _fail([Problem("$.parallelism.context", "context parallelism is not trained by any back end yet",
-                       'set "context": 1')], env)
     model = as_module(build_on_meta(model))
     units = _capture(model)  # before any wrapping, the same on every rank: refuses a module that cannot be filled
     source = _weights_source(weights, units, model)
@@ -188,6 +206,8 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
     device = _device(env)
     backend = backend or choose_backend(recipe, device.type)
     _warn_on_launch_precision(recipe, env)
+    if recipe.parallelism.context > 1:
+        _check_context_parallel(model, recipe, backend, env)
     if backend == "native":  # chosen because deepspeed is missing: what only DeepSpeed does is refused now
         problems = [p.with_file(recipe.source) for p in check_native_back_end(recipe, chosen=True)]
         if problems:
