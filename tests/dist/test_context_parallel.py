@@ -1,12 +1,17 @@
 """The reference GPT trained with a context axis on the native back end against one process.
 
-One launch of 2 gloo processes trains ``context = 2`` (the whole world one context group) twice, by ring and by
-all-to-all, 3 steps each, and compares every step's loss and gradient norm (before clipping) and the parameters after
-the last step with one process trained on the whole global batch (:func:`.reference.gpt_reference`), fp32, rel 1e-5.
+Two launches, 3 steps per layout, fp32, rel 1e-5 against one process trained on the whole global batch:
 
-The optimizer is SGD with momentum 0.9 and the clipping threshold sits below the gradient norm on every step, so the
-clipping acts: a gradient that is wrong by a factor (a context rank's loss not divided as its share, a reduction over
-the wrong group) changes the norm and, through momentum, the parameters; AdamW would divide it away.
+* 2 gloo processes, ``context = 2`` (the whole world one context group), by ring and by all-to-all: every step's
+  loss and gradient norm (before clipping) and every parameter after the last step.
+* 4 processes, one layout after another: ``context = 4`` alone (ring; loss, norm, parameters), ``context 2 x
+  tensor 2`` (ring), ``context 2 x data 2`` with ZeRO-3 (FSDP2 over data x context, all-to-all) and ``context 2 x
+  pipeline 2`` (1F1B, ring): loss and gradient norm per step (the norm is the whole model's, reduced over the
+  shards, so a gradient summed over the wrong group or a loss share not divided shows in it).
+
+The optimizer is SGD with momentum 0.9 and the clipping threshold sits below the gradient norm on every step
+(asserted), so the clipping acts: a gradient wrong by a factor changes the clipped update's direction no more, but
+changes the norm, the next steps' losses and, through momentum, the weights; AdamW would divide a factor away.
 """
 from __future__ import annotations
 
@@ -20,21 +25,29 @@ pytestmark = [pytest.mark.dist, pytest.mark.native]
 STEPS, TOL = 3, dict(rtol=1e-5, atol=1e-6)
 SGD = {"name": "sgd", "lr": 0.3, "momentum": 0.9}
 CLIP = 0.5  # below every step's gradient norm (asserted): the clipping acts
+PP = {"schedule": "1f1b", "partition": "uniform"}
+WIDE = {  # name -> (parallelism, method, other blocks, whether the module holds whole parameters)
+    "cp4": ({"context": 4}, "ring", {}, True),
+    "cp2_tp2": ({"context": 2, "tensor": 2}, "ring", {}, False),
+    "cp2_dp2_zero3": ({"context": 2, "data": 2}, "all_to_all", {"zero": {"stage": 3}}, False),
+    "cp2_pp2": ({"context": 2, "pipeline": 2}, "ring", {"pipeline_parallel": PP}, False),
+}
 
 
-def _recipe(parallelism: dict, method: str = "ring"):
+def _recipe(parallelism: dict, method: str = "ring", blocks: dict | None = None):
     from plugin.recipe.checks import load_recipe
     from plugin.recipe.spec import Recipe
 
     data = load_recipe("cpu_single").to_dict()
     data.update(parallelism={"data": 1, "tensor": 1, "pipeline": 1, **parallelism},
                 context_parallel={"method": method}, optimizer=SGD, gradient_clipping=CLIP, launcher="torchrun",
-                cluster={"nodes": 1, "gpus_per_node": 4, "gpu_memory_gb": 4})
+                cluster={"nodes": 1, "gpus_per_node": 4, "gpu_memory_gb": 4}, **(blocks or {}))
     return Recipe.from_dict(data)
 
 
 def _reference(recipe):
-    """Losses, gradient norms and final parameters of one process on the whole global batch."""
+    """Losses, gradient norms (before clipping) and final parameters of one process on the whole global batch, cut
+    into the layout's micro-batches."""
     from plugin.data.text import TextBatches
     from plugin.engines.optim import build_optimizer
     from plugin.models.gpt import GPT, GPTConfig, gpt_loss
@@ -47,7 +60,7 @@ def _reference(recipe):
     losses, norms = [], []
     for step in range(STEPS):
         x, y = data.global_batch(step, lay.global_batch)
-        parts = list(zip(x.chunk(lay.grad_accum * lay.data), y.chunk(lay.grad_accum * lay.data)))
+        parts = list(zip(x.chunk(lay.grad_accum * lay.data), y.chunk(lay.grad_accum * lay.data), strict=True))
         total = 0.0
         for xs, ys in parts:
             loss = gpt_loss(model(xs), ys)
@@ -60,7 +73,8 @@ def _reference(recipe):
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train(recipe):
+def _train(recipe, whole: bool):
+    """Losses and gradient norms of the engine, and its parameters when ``whole`` (the module holds them all)."""
     import plugin
     from plugin.data.text import TextBatches
     from plugin.models.gpt import GPT, GPTConfig
@@ -72,32 +86,41 @@ def _train(recipe):
     for step in range(STEPS):
         losses.append(engine.train_step(data.global_batch(step, engine.layout.global_batch)))
         norms.append(engine.last_grad_norm)
-    params = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    params = {k: v.detach().clone() for k, v in engine.module.state_dict().items()} if whole else None
     return losses, norms, params
 
 
-def _alone(rank, world):
-    out = {}
-    for method in ("ring", "all_to_all"):
-        recipe = _recipe({"context": world}, method)
-        out[method] = _train(recipe)
-    return out
+def _context_2(rank, world):
+    return {method: _train(_recipe({"context": world}, method), whole=True) for method in ("ring", "all_to_all")}
 
 
-def test_context_2_trains_one_process_losses_gradients_and_weights():
-    ref_losses, ref_norms, ref_params = _reference(_recipe({}))
+def _wide(rank, world):
+    return {name: _train(_recipe(par, method, blocks), whole) for name, (par, method, blocks, whole) in WIDE.items()}
+
+
+def _compare(what: str, got, ref) -> None:
+    (losses, norms, params), (ref_losses, ref_norms, ref_params) = got, ref
+    print(f"{what}: losses {losses} (reference {ref_losses}), gradient norms {norms} (reference {ref_norms})")
     assert min(ref_norms) > CLIP, f"the clipping must act: gradient norms {ref_norms} against {CLIP}"
-    results = run(_alone, 2, timeout_s=240)
-    for rank, out in enumerate(results):
-        for method, (losses, norms, params) in out.items():
-            what = f"context 2 {method} rank {rank}"
-            print(what, "losses", losses, "reference", ref_losses, "norms", norms, "reference", ref_norms)
-            torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
-                                       torch.tensor(ref_losses, dtype=torch.float64), **TOL,
-                                       msg=lambda m: f"{what} losses: {m}")
-            torch.testing.assert_close(torch.tensor(norms, dtype=torch.float64),
-                                       torch.tensor(ref_norms, dtype=torch.float64), **TOL,
-                                       msg=lambda m: f"{what} gradient norms: {m}")
-            assert params.keys() == ref_params.keys()
-            for name, p in params.items():
-                torch.testing.assert_close(p, ref_params[name], **TOL, msg=lambda m: f"{what} {name}: {m}")
+    for label, a, b in (("losses", losses, ref_losses), ("gradient norms", norms, ref_norms)):
+        torch.testing.assert_close(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64),
+                                   **TOL, msg=lambda m, label=label: f"{what} {label}: {m}")
+    if params is not None:
+        assert params.keys() == ref_params.keys()
+        for name, p in params.items():
+            torch.testing.assert_close(p, ref_params[name], **TOL, msg=lambda m, name=name: f"{what} {name}: {m}")
+
+
+def test_context_2_by_ring_and_all_to_all_trains_one_process_weights():
+    ref = _reference(_recipe({}))
+    for rank, out in enumerate(run(_context_2, 2, timeout_s=240)):
+        for method, got in out.items():
+            _compare(f"context 2 {method} rank {rank}", got, ref)
+
+
+def test_context_4_and_context_with_tensor_data_zero3_and_pipeline_train_one_process_losses():
+    results = run(_wide, 4, timeout_s=400)
+    for name, (par, method, blocks, _) in WIDE.items():
+        ref = _reference(_recipe(par, method, blocks))
+        for rank, out in enumerate(results):
+            _compare(f"{name} {method} rank {rank}", out[name], ref)
