@@ -198,27 +198,6 @@ class ParallelGroups:
     def get_model_parallel_group(self):
         return self.model_group
 
-    # DeepSpeed's sequence parallelism (its engine and ZeRO read these when the mpu has them): the context group, and
-    # data x context, over which it reduces gradients and partitions ZeRO states, summing over the context ranks
-    # while its batch triple counts data ranks only (get_data_parallel_world_size).
-    def get_sequence_parallel_world_size(self) -> int:
-        return self.cp_size
-
-    def get_sequence_parallel_rank(self) -> int:
-        return self.cp_rank
-
-    def get_sequence_parallel_group(self):
-        return self.context_group
-
-    def get_sequence_data_parallel_world_size(self) -> int:
-        return self.data_context_size
-
-    def get_sequence_data_parallel_rank(self) -> int:
-        return self.data_context_ranks.index(self.rank)
-
-    def get_sequence_data_parallel_group(self):
-        return self.data_context_group
-
 
 def build_groups(topology: Topology, backend: str | None = None) -> ParallelGroups:
     """Create every tensor, data, pipeline and model group of ``topology`` (and context and data x context groups

@@ -275,8 +275,7 @@ class Engine(abc.ABC):
 
     @property
     def loss_replicas(self) -> int:
-        """Over how many ranks the back end averages the summed gradients (and the loss): data x context, or data
-        where it sums over the context ranks instead (DeepSpeed's sequence parallelism, which overrides this). The
+        """Over how many ranks the back end averages the summed gradients (and the loss): data x context. The
         default loss's denominator and :meth:`mean_over_data` divide by it, so every rank's loss is its tokens' share
         of the global batch's mean."""
         return self.layout.data * self.layout.context

@@ -132,6 +132,10 @@ def check_context_parallel(recipe: Recipe, layout: Layout | None) -> Problems:
             yield Problem("$.context_parallel.method", f'"{method}" with context 1 is ignored: nothing is split',
                           'set "context" > 1 in $.parallelism, or drop the context_parallel block', WARNING)
         return
+    if recipe.launcher == "deepspeed":
+        yield Problem("$.launcher", f"context {c} with \"launcher\": \"deepspeed\": the DeepSpeed back end does not "
+                      "train a context axis yet (the native back end does, by ring or all-to-all attention)",
+                      'set "launcher": "auto" or "torchrun" (the native back end), or "context": 1')
     if m is None:
         return
     sp = recipe.tensor_parallel.sequence_parallel and tp > 1

@@ -10,8 +10,10 @@ Two launches, 3 steps per layout, fp32, rel 1e-5 against one process trained on 
   shards, so a gradient summed over the wrong group or a loss share not divided shows in it).
 
 The optimizer is SGD with momentum 0.9 and the clipping threshold sits below the gradient norm on every step
-(asserted), so the clipping acts: a gradient wrong by a factor changes the clipped update's direction no more, but
-changes the norm, the next steps' losses and, through momentum, the weights; AdamW would divide a factor away.
+(asserted), so the clipping acts and the norm it reports is compared: a gradient wrong by a uniform factor (a loss
+share not divided by the context degree) leaves the clipped update as it was, so the losses and weights alone would
+not see it, but the norm does; a gradient wrong in direction (positions of the wrong chunk, a missed K/V block) moves
+losses, norms and weights. AdamW would divide both kinds away.
 """
 from __future__ import annotations
 

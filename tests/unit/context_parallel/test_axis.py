@@ -115,3 +115,14 @@ def test_doors_name_the_context_axis(tmp_path, args, want):
     row = shown["ranks"][6]
     assert (row["data"], row["context"], row["tensor"]) == (1, 1, 0)
     assert row["context_peers"] == [4, 6] and row["data_peers"] == [2, 6] and row["gradient_peers"] == [0, 2, 4, 6]
+
+
+def test_deepspeed_is_refused_by_name_and_auto_chooses_the_native_back_end():
+    from plugin.engines.choose import choose
+
+    errors = _errors(_recipe({"data": 2, "context": 2}, launcher="deepspeed"))
+    assert 'the DeepSpeed back end does not train a context axis yet' in errors["$.launcher"]
+    assert 'set "launcher": "auto" or "torchrun"' in errors["$.launcher"]
+    auto = _recipe({"data": 2, "context": 2})
+    assert choose(auto, environ={}, has_deepspeed=True, cuda=True) == "native"
+    assert choose(_recipe({"data": 2}), environ={}, has_deepspeed=True, cuda=True) == "deepspeed"
