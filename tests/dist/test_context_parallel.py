@@ -8,6 +8,10 @@ Two launches, 3 steps per layout, fp32, rel 1e-5 against one process trained on 
   tensor 2`` (ring), ``context 2 x data 2`` with ZeRO-3 (FSDP2 over data x context, all-to-all) and ``context 2 x
   pipeline 2`` (1F1B, ring): loss and gradient norm per step (the norm is the whole model's, reduced over the
   shards, so a gradient summed over the wrong group or a loss share not divided shows in it).
+* 2 processes, a transformers Llama (2 kv heads, rotary) at ``context = 2`` by both methods, through transformers'
+  attention interface, on Hugging Face dict batches padded right and left (the key mask travels whole, the chunks get
+  their global ``position_ids``): losses, gradient norms and weights against ``model(**batch).loss`` on one process,
+  rel 1e-4 (the tolerance of the other transformers layout tests).
 
 The optimizer is SGD with momentum 0.9 and the clipping threshold sits below the gradient norm on every step
 (asserted), so the clipping acts and the norm it reports is compared: a gradient wrong by a uniform factor (a loss
@@ -100,17 +104,17 @@ def _wide(rank, world):
     return {name: _train(_recipe(par, method, blocks), whole) for name, (par, method, blocks, whole) in WIDE.items()}
 
 
-def _compare(what: str, got, ref) -> None:
+def _compare(what: str, got, ref, tol=TOL) -> None:
     (losses, norms, params), (ref_losses, ref_norms, ref_params) = got, ref
     print(f"{what}: losses {losses} (reference {ref_losses}), gradient norms {norms} (reference {ref_norms})")
     assert min(ref_norms) > CLIP, f"the clipping must act: gradient norms {ref_norms} against {CLIP}"
     for label, a, b in (("losses", losses, ref_losses), ("gradient norms", norms, ref_norms)):
         torch.testing.assert_close(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64),
-                                   **TOL, msg=lambda m, label=label: f"{what} {label}: {m}")
+                                   **tol, msg=lambda m, label=label: f"{what} {label}: {m}")
     if params is not None:
         assert params.keys() == ref_params.keys()
         for name, p in params.items():
-            torch.testing.assert_close(p, ref_params[name], **TOL, msg=lambda m, name=name: f"{what} {name}: {m}")
+            torch.testing.assert_close(p, ref_params[name], **tol, msg=lambda m, name=name: f"{what} {name}: {m}")
 
 
 def test_context_2_by_ring_and_all_to_all_trains_one_process_weights():
@@ -126,3 +130,80 @@ def test_context_4_and_context_with_tensor_data_zero3_and_pipeline_train_one_pro
         ref = _reference(_recipe(par, method, blocks))
         for rank, out in enumerate(results):
             _compare(f"{name} {method} rank {rank}", out[name], ref)
+
+
+HF_DIMS = {"vocab": 128, "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn_hidden": 128, "seq_len": 32}
+HF_TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _llama():
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    d = HF_DIMS
+    return tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], num_hidden_layers=d["layers"], num_attention_heads=d["heads"],
+        num_key_value_heads=d["kv_heads"], intermediate_size=d["ffn_hidden"], max_position_embeddings=d["seq_len"],
+        tie_word_embeddings=False, attn_implementation="sdpa"))
+
+
+def _padded(step: int, rows: int = 8):
+    """Rows of uneven lengths (8..seq), every third left-padded, the rest right-padded; labels -100 at the padding."""
+    seq, gen = HF_DIMS["seq_len"], torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(1, HF_DIMS["vocab"], (rows, seq), generator=gen)
+    mask = torch.zeros(rows, seq, dtype=torch.int64)
+    for r in range(rows):
+        n = int(torch.randint(8, seq + 1, (1,), generator=gen))
+        if r % 3 == 2:
+            mask[r, seq - n:] = 1
+        else:
+            mask[r, :n] = 1
+    ids = ids * mask
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _hf_recipe(method: str, context: int):
+    from plugin.recipe.spec import Recipe
+
+    return Recipe.from_dict({"name": "llama_cp", "parallelism": {"data": 1, "tensor": 1, "pipeline": 1,
+                                                                   "context": context},
+                             "context_parallel": {"method": method}, "batch": {"global": 8, "micro": 4},
+                             "optimizer": SGD, "gradient_clipping": CLIP, "launcher": "torchrun", "model": HF_DIMS,
+                             "cluster": {"nodes": 1, "gpus_per_node": 2, "gpu_memory_gb": 4}})
+
+
+def _hf_reference():
+    model = _llama()
+    opt = torch.optim.SGD(model.parameters(), lr=SGD["lr"], momentum=SGD["momentum"])
+    losses, norms = [], []
+    for step in range(STEPS):
+        loss = model(**_padded(step), use_cache=False).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _hf_context_2(rank, world):
+    import plugin
+
+    out = {}
+    for method in ("ring", "all_to_all"):
+        engine = plugin.initialize(_llama(), _hf_recipe(method, world), backend="native")
+        losses, norms = [], []
+        for step in range(STEPS):
+            losses.append(engine.train_step(_padded(step)))
+            norms.append(engine.last_grad_norm)
+        out[method] = losses, norms, {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    return out
+
+
+def test_transformers_llama_at_context_2_trains_one_process_on_padded_batches():
+    pytest.importorskip("transformers")
+    ref = _hf_reference()
+    for rank, out in enumerate(run(_hf_context_2, 2, timeout_s=240)):
+        for method, got in out.items():
+            _compare(f"llama context 2 {method} rank {rank}", got, ref, HF_TOL)
