@@ -3,7 +3,9 @@
 Two launches, 3 steps per layout, fp32, rel 1e-5 against one process trained on the whole global batch:
 
 * 2 gloo processes, ``context = 2`` (the whole world one context group), by ring and by all-to-all: every step's
-  loss and gradient norm (before clipping) and every parameter after the last step.
+  loss and gradient norm (before clipping) and every parameter after the last step; then the checkpoints are
+  layout-free: the context-2 checkpoint resumes at data 2 (step 4) and that one at context 2 (step 5), both steps
+  the reference's.
 * 4 processes, one layout after another: ``context = 4`` alone (ring; loss, norm, parameters), ``context 2 x
   tensor 2`` (ring), ``context 2 x data 2`` with ZeRO-3 (FSDP2 over data x context, all-to-all) and ``context 2 x
   pipeline 2`` (1F1B, ring): loss and gradient norm per step (the norm is the whole model's, reduced over the
@@ -51,7 +53,7 @@ def _recipe(parallelism: dict, method: str = "ring", blocks: dict | None = None)
     return Recipe.from_dict(data)
 
 
-def _reference(recipe):
+def _reference(recipe, steps: int = STEPS):
     """Losses, gradient norms (before clipping) and final parameters of one process on the whole global batch, cut
     into the layout's micro-batches."""
     from plugin.data.text import TextBatches
@@ -64,7 +66,7 @@ def _reference(recipe):
     opt = build_optimizer(model.parameters(), recipe.optimizer)
     data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = data.global_batch(step, lay.global_batch)
         parts = list(zip(x.chunk(lay.grad_accum * lay.data), y.chunk(lay.grad_accum * lay.data), strict=True))
         total = 0.0
@@ -79,8 +81,9 @@ def _reference(recipe):
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train(recipe, whole: bool):
-    """Losses and gradient norms of the engine, and its parameters when ``whole`` (the module holds them all)."""
+def _train(recipe, whole: bool, steps: int = STEPS):
+    """(losses and gradient norms of the engine's first ``steps`` steps, and its parameters when ``whole``: the module
+    holds them all), and the engine."""
     import plugin
     from plugin.data.text import TextBatches
     from plugin.models.gpt import GPT, GPTConfig
@@ -89,19 +92,36 @@ def _train(recipe, whole: bool):
     engine = plugin.initialize(GPT(GPTConfig.from_recipe_model(recipe.model)), recipe, backend="native")
     data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         losses.append(engine.train_step(data.global_batch(step, engine.layout.global_batch)))
         norms.append(engine.last_grad_norm)
     params = {k: v.detach().clone() for k, v in engine.module.state_dict().items()} if whole else None
-    return losses, norms, params
+    return (losses, norms, params), engine
 
 
-def _context_2(rank, world):
-    return {method: _train(_recipe({"context": world}, method), whole=True) for method in ("ring", "all_to_all")}
+def _context_2(rank, world, directory):
+    """Both methods at context 2, then the checkpoints across layouts: the ring run's (3 steps) resumed at data 2 x
+    context 1 for step 4, whose checkpoint the all-to-all engine (context 2) loads for step 5."""
+    from plugin.data.text import TextBatches
+
+    out, engines = {}, {}
+    for method in ("ring", "all_to_all"):
+        out[method], engines[method] = _train(_recipe({"context": world}, method), whole=True)
+    engines["ring"].save(f"{directory}/cp2")
+    _, resumed = _train(_recipe({"data": world}), whole=False, steps=0)
+    resumed.load(f"{directory}/cp2")
+    data, after = TextBatches(resumed.recipe.model.vocab, resumed.recipe.model.seq_len), []
+    for step, engine in ((STEPS, resumed), (STEPS + 1, engines["all_to_all"])):
+        if engine is engines["all_to_all"]:
+            resumed.save(f"{directory}/dp2")
+            engine.load(f"{directory}/dp2")
+        after.append((engine.train_step(data.global_batch(step, engine.layout.global_batch)), engine.last_grad_norm))
+    out["resumed"] = after
+    return out
 
 
 def _wide(rank, world):
-    return {name: _train(_recipe(par, method, blocks), whole) for name, (par, method, blocks, whole) in WIDE.items()}
+    return {name: _train(_recipe(par, method, blocks), whole)[0] for name, (par, method, blocks, whole) in WIDE.items()}
 
 
 def _compare(what: str, got, ref, tol=TOL) -> None:
@@ -117,11 +137,17 @@ def _compare(what: str, got, ref, tol=TOL) -> None:
             torch.testing.assert_close(p, ref_params[name], **tol, msg=lambda m, name=name: f"{what} {name}: {m}")
 
 
-def test_context_2_by_ring_and_all_to_all_trains_one_process_weights():
-    ref = _reference(_recipe({}))
-    for rank, out in enumerate(run(_context_2, 2, timeout_s=240)):
+def test_context_2_by_ring_and_all_to_all_trains_one_process_weights_and_resumes_across_layouts(tmp_path):
+    ref_losses, ref_norms, _ = _reference(_recipe({}), STEPS + 2)
+    ref = ref_losses[:STEPS], ref_norms[:STEPS], _reference(_recipe({}))[2]
+    for rank, out in enumerate(run(_context_2, 2, str(tmp_path), timeout_s=240)):
+        resumed = out.pop("resumed")
         for method, got in out.items():
             _compare(f"context 2 {method} rank {rank}", got, ref)
+        print(f"resumed at data 2 (step 4), then at context 2 (step 5), rank {rank}: {resumed}")
+        torch.testing.assert_close(torch.tensor(resumed, dtype=torch.float64),
+                                   torch.tensor(list(zip(ref_losses, ref_norms, strict=True))[STEPS:],
+                                                dtype=torch.float64), **TOL)
 
 
 def test_context_4_and_context_with_tensor_data_zero3_and_pipeline_train_one_process_losses():
