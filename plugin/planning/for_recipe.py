@@ -117,8 +117,15 @@ def estimate_recipe(recipe, world_size: int | None = None, gpu_memory: float | N
                     hardware: Hardware = HARDWARE["h100"]) -> RecipeEstimate:
     """Estimate a recipe; ``gpu_memory`` (bytes) defaults to its cluster's, else 80 GB.
 
-    Raises :class:`RecipeError` when the recipe has no model block or its sizes do not resolve.
+    Raises :class:`RecipeError` when the recipe has no model block or its sizes do not resolve, or has a context axis:
+    the estimates do not count one yet (activations and ZeRO shards divided by it, its K/V traffic), and an estimate
+    that ignored it would be wrong, not rough.
     """
+    if recipe.parallelism.context > 1:
+        raise RecipeError([Problem("$.parallelism.context", f"context {recipe.parallelism.context}: the estimates do "
+                                   "not count context parallelism yet (activation memory per rank, the sharding over "
+                                   "data x context, the K/V traffic)", 'estimate the recipe with "context": 1 and '
+                                   "divide its activations by the context degree by hand", file=recipe.source)])
     spec = spec_from_recipe(recipe)
     setup = setup_from_recipe(recipe, world_size)
     if gpu_memory is None:

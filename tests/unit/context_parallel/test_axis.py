@@ -126,3 +126,12 @@ def test_deepspeed_is_refused_by_name_and_auto_chooses_the_native_back_end():
     auto = _recipe({"data": 2, "context": 2})
     assert choose(auto, environ={}, has_deepspeed=True, cuda=True) == "native"
     assert choose(_recipe({"data": 2}), environ={}, has_deepspeed=True, cuda=True) == "deepspeed"
+
+
+def test_the_estimate_refuses_a_context_axis_by_name():
+    from plugin.errors import RecipeError
+    from plugin.planning.for_recipe import estimate_recipe
+
+    with pytest.raises(RecipeError, match=r"\$.parallelism.context: context 2: the estimates do not count context"):
+        estimate_recipe(_recipe({"data": 2, "context": 2}))
+    assert estimate_recipe(_recipe({"data": 2})).setup.world_size == 2
