@@ -1,15 +1,17 @@
 """The reference GPT trained with a context axis on the native back end against one process.
 
-Two launches, 3 steps per layout, fp32, rel 1e-5 against one process trained on the whole global batch:
+Three launches, 3 steps per layout, fp32, against one process trained on the whole global batch (rel 1e-5 for
+the reference GPT):
 
 * 2 gloo processes, ``context = 2`` (the whole world one context group), by ring and by all-to-all: every step's
   loss and gradient norm (before clipping) and every parameter after the last step; then the checkpoints are
   layout-free: the context-2 checkpoint resumes at data 2 (step 4) and that one at context 2 (step 5), both steps
   the reference's.
 * 4 processes, one layout after another: ``context = 4`` alone (ring; loss, norm, parameters), ``context 2 x
-  tensor 2`` (ring), ``context 2 x data 2`` with ZeRO-3 (FSDP2 over data x context, all-to-all) and ``context 2 x
-  pipeline 2`` (1F1B, ring): loss and gradient norm per step (the norm is the whole model's, reduced over the
-  shards, so a gradient summed over the wrong group or a loss share not divided shows in it).
+  tensor 2`` with sequence parallelism and full activation checkpointing (ring; the recompute replays the blocks),
+  ``context 2 x data 2`` with ZeRO-3 (FSDP2 over data x context, all-to-all) and ``context 2 x pipeline 2`` (1F1B,
+  ring): loss and gradient norm per step (the norm is the whole model's, reduced over the shards, so a gradient
+  summed over the wrong group or a loss share not divided shows in it).
 * 2 processes, a transformers Llama (2 kv heads, rotary) at ``context = 2`` by both methods, through transformers'
   attention interface, on Hugging Face dict batches padded right and left (the key mask travels whole, the chunks get
   their global ``position_ids``): losses, gradient norms and weights against ``model(**batch).loss`` on one process,
@@ -36,7 +38,8 @@ CLIP = 0.5  # below every step's gradient norm (asserted): the clipping acts
 PP = {"schedule": "1f1b", "partition": "uniform"}
 WIDE = {  # name -> (parallelism, method, other blocks, whether the module holds whole parameters)
     "cp4": ({"context": 4}, "ring", {}, True),
-    "cp2_tp2": ({"context": 2, "tensor": 2}, "ring", {}, False),
+    "cp2_tp2_sp_full": ({"context": 2, "tensor": 2}, "ring", {"tensor_parallel": {"sequence_parallel": True},
+                                                              "activation_checkpointing": {"mode": "full"}}, False),
     "cp2_dp2_zero3": ({"context": 2, "data": 2}, "all_to_all", {"zero": {"stage": 3}}, False),
     "cp2_pp2": ({"context": 2, "pipeline": 2}, "ring", {"pipeline_parallel": PP}, False),
 }
