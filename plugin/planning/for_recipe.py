@@ -21,7 +21,8 @@ from .traffic import CommTerm, communication_per_rank
 
 
 def recipe_world_size(recipe) -> int | None:
-    """The world size a recipe means: data x tensor x pipeline, or its cluster's GPUs for ``"data": "auto"``."""
+    """The world size a recipe means: data x tensor x pipeline x context, or its cluster's GPUs for
+    ``"data": "auto"``."""
     if recipe.parallelism.data != "auto":
         return None  # the recipe fixes it
     if recipe.cluster is None:
@@ -37,7 +38,8 @@ def setup_from_recipe(recipe, world_size: int | None = None) -> Setup:
     ac = recipe.activation_checkpointing
     zero = recipe.zero
     return Setup(
-        tp=layout.tensor, pp=layout.pipeline, dp=layout.data, zero_stage=zero.stage,
+        tp=layout.tensor, pp=layout.pipeline, dp=layout.data, cp=layout.context,
+        cp_method=recipe.context_parallel.method, zero_stage=zero.stage,
         micro_batch=layout.micro_batch, micro_batches=layout.grad_accum,
         recompute=ac.mode, checkpoint_interval=ac.every if ac.mode == "full" else 1,
         sequence_parallel=recipe.tensor_parallel.sequence_parallel and layout.tensor > 1,
@@ -117,15 +119,8 @@ def estimate_recipe(recipe, world_size: int | None = None, gpu_memory: float | N
                     hardware: Hardware = HARDWARE["h100"]) -> RecipeEstimate:
     """Estimate a recipe; ``gpu_memory`` (bytes) defaults to its cluster's, else 80 GB.
 
-    Raises :class:`RecipeError` when the recipe has no model block or its sizes do not resolve, or has a context axis:
-    the estimates do not count one yet (activations and ZeRO shards divided by it, its K/V traffic), and an estimate
-    that ignored it would be wrong, not rough.
+    Raises :class:`RecipeError` when the recipe has no model block or its sizes do not resolve.
     """
-    if recipe.parallelism.context > 1:
-        raise RecipeError([Problem("$.parallelism.context", f"context {recipe.parallelism.context}: the estimates do "
-                                   "not count context parallelism yet (activation memory per rank, the sharding over "
-                                   "data x context, the K/V traffic)", 'estimate the recipe with "context": 1 and '
-                                   "divide its activations by the context degree by hand", file=recipe.source)])
     spec = spec_from_recipe(recipe)
     setup = setup_from_recipe(recipe, world_size)
     if gpu_memory is None:

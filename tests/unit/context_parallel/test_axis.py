@@ -128,10 +128,25 @@ def test_deepspeed_is_refused_by_name_and_auto_chooses_the_native_back_end():
     assert choose(_recipe({"data": 2}), environ={}, has_deepspeed=True, cuda=True) == "deepspeed"
 
 
-def test_the_estimate_refuses_a_context_axis_by_name():
-    from plugin.errors import RecipeError
+def test_the_estimate_divides_activations_and_shards_by_context_and_counts_its_traffic():
     from plugin.planning.for_recipe import estimate_recipe
 
-    with pytest.raises(RecipeError, match=r"\$.parallelism.context: context 2: the estimates do not count context"):
-        estimate_recipe(_recipe({"data": 2, "context": 2}))
-    assert estimate_recipe(_recipe({"data": 2})).setup.world_size == 2
+    def est(par, **blocks):
+        return estimate_recipe(_recipe(par, **blocks))
+
+    one, cp2 = est({"data": 1}), est({"data": 1, "context": 2})
+    assert cp2.setup.world_size == 2 and one.setup.world_size == 1
+    for term in ("activations", "embedding_activations", "output_layer_activations"):
+        assert cp2.memory.get(term) == one.memory.get(term) / 2, term  # s/C tokens per rank, every term linear
+    assert cp2.time.get("compute") == one.time.get("compute") / 2
+    zero1 = est({"data": 1, "context": 2}, zero={"stage": 1}).memory.get("optimizer_states")
+    assert zero1 == est({"data": 2}, zero={"stage": 1}).memory.get("optimizer_states")  # sharded over data x context
+    # ring: keys and values (2 x s/C x b x h values, fp32) forward and backward, fp32 dK/dV C times; 2 layers, m = 4
+    kv, m, layers, w = 2 * (64 // 2) * 2 * 64, 4, 2, 4
+    ring = {c.name: c for c in cp2.communication}["context_ring_kv"]
+    assert ring.group == "context" and ring.bytes == m * layers * (2 * 1 * kv * w + 2 * kv * 4)
+    ulysses = est({"data": 1, "context": 2}, context_parallel={"method": "all_to_all"})
+    a2a = {c.name: c for c in ulysses.communication}["context_all_to_all"]
+    q = (64 // 2) * 2 * 64  # queries and the output, all heads; each all-to-all sends (C-1)/C
+    assert a2a.bytes == m * layers * 2 * 0.5 * (2 * q + kv) * w and a2a.calls == m * layers * 8
+    assert "context_communication" in dict(ulysses.time.terms) and "context_communication" not in dict(one.time.terms)
