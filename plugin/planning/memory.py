@@ -107,6 +107,13 @@ def stage_memory(spec: ModelSpec, setup: Setup, stage: int) -> Breakdown:
         terms.append(("recompute_working_set", k * per_layer("none") if layers else 0.0))
     else:
         terms.append(("activations", in_flight * layers * per_layer(setup.recompute)))
+    if setup.cp > 1 and setup.recompute == "none":
+        # What the context attention keeps beyond the block's count (bench/context_parallel.py measures it): its
+        # output, which the projection's input is a copy of (the ring's is laid out by head; Ulysses's SDPA output
+        # sits before the all-to-all back, and the all-to-all's result is copied again), and the fp32 log-sum-exp.
+        copies = 1 if setup.cp_method == "ring" else 2
+        kept = copies * 2 * w * s * b * h / t + 4 * spec.heads * s * b / t
+        terms.append(("context_attention_outputs", in_flight * layers * kept))
 
     if stage == 0:
         # Korthikanti et al. 4.3: the embedding's dropout mask (sbh, 1 byte) per micro-batch in flight,
