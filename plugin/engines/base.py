@@ -167,7 +167,7 @@ class Engine(abc.ABC):
         """This data rank's rows of ``dataset`` for each step: a :class:`plugin.data.loader.StepLoader`.
 
         Each step's rows over all data ranks are one global batch, the same whatever the layout (a run on any
-        layout gives the losses of one process on the same dataset); tensor and pipeline peers get the same
+        layout gives the losses of one process on the same dataset); tensor, pipeline and context peers get the same
         rows. Shuffled per epoch from ``seed`` and the epoch; an incomplete last global batch is dropped; its
         ``state_dict()`` resumes mid-epoch. See :class:`~plugin.data.loader.StepLoader`.
         """

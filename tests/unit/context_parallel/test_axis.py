@@ -150,3 +150,26 @@ def test_the_estimate_divides_activations_and_shards_by_context_and_counts_its_t
     q = (64 // 2) * 2 * 64  # queries and the output, all heads; each all-to-all sends (C-1)/C
     assert a2a.bytes == m * layers * 2 * 0.5 * (2 * q + kv) * w and a2a.calls == m * layers * 8
     assert "context_communication" in dict(ulysses.time.terms) and "context_communication" not in dict(one.time.terms)
+
+
+@pytest.mark.parametrize("model, backend, said", [
+    ("linear", "native", "Linear has no configure_context_parallel(ctx) and is no transformers model"),
+    ("gpt", "deepspeed", "the DeepSpeed back end does not train a context axis yet"),
+    ("gpt", "accelerate", "Accelerate's Accelerator takes no custom process groups"),
+])
+def test_initialize_refuses_what_cannot_train_a_context_axis_before_any_group(monkeypatch, capsys, model, backend,
+                                                                              said):
+    import torch
+
+    import plugin
+    from plugin.errors import RecipeError
+    from plugin.models.gpt import GPT, GPTConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    recipe = _recipe({"data": 2, "context": 2}, cluster={"nodes": 1, "gpus_per_node": 4, "gpu_memory_gb": 4})
+    module = torch.nn.Linear(2, 2) if model == "linear" else GPT(GPTConfig.from_recipe_model(recipe.model))
+    with pytest.raises(RecipeError):
+        plugin.initialize(module, recipe, backend=backend)
+    assert said in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
