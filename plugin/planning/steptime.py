@@ -37,7 +37,7 @@ The model, term by term (all per optimizer step, on the slowest pipeline stage):
 
 A collective costs ``latency`` per call plus its bytes over the link bandwidth of its group: NVLink when
 the whole group is inside one node, else the per-GPU InfiniBand share. Rank order is the plugin's (tensor
-fastest, then data, then pipeline), so placement follows from the degrees and ``gpus_per_node``.
+fastest, then context, then data, then pipeline), so placement follows from the degrees and ``gpus_per_node``.
 """
 from __future__ import annotations
 
