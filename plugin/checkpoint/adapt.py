@@ -81,7 +81,7 @@ def same_layout_key(engine) -> str:
     d = engine.describe()
     return (f"{engine.backend}-w{engine.topology.world_size if hasattr(engine.topology, 'world_size') else '?'}"
             f"-pp{d['pipeline']}-tp{d['tensor']}-dp{d['data']}-mb{d['micro_batch']}-ga{d['grad_accum']}"
-            f"-v{getattr(engine, 'virtual_stages', 1)}")
+            f"-v{getattr(engine, 'virtual_stages', 1)}" + (f"-cp{d['context']}" if d.get("context", 1) > 1 else ""))
 
 
 def materialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -94,7 +94,8 @@ def run_inspect(args) -> int:
         return EXIT_OK if not s["damaged"] else EXIT_INVALID
     lay, by = s["layout"] or {}, s["written_by"] or {}
     print(f"{s['directory']}: step {s['step']}, written by {by.get('backend')} (torch {by.get('torch')})")
-    print(f"  layout: data {lay.get('data')} x tensor {lay.get('tensor')} x pipeline {lay.get('pipeline')}, "
+    context = f" x context {lay['context']}" if lay.get("context", 1) > 1 else ""
+    print(f"  layout: data {lay.get('data')} x tensor {lay.get('tensor')} x pipeline {lay.get('pipeline')}{context}, "
           f"ZeRO-{lay.get('zero')}, {lay.get('precision')}, global batch {lay.get('global_batch')}")
     print(f"  recipe: {s['recipe']}; model: {json.dumps(s['model'])}")
     for role in sorted(s["tensors"]):

@@ -49,7 +49,8 @@ def run(args) -> int:
 
 def _print(est) -> None:
     s, spec = est.setup, est.spec
-    print(f"{est.name}: {s.world_size} ranks = tensor {s.tp} x pipeline {s.pp} x data {s.dp}, ZeRO-{s.zero_stage}, "
+    print(f"{est.name}: {s.world_size} ranks = tensor {s.tp} x pipeline {s.pp} x data {s.dp}"
+          + (f" x context {s.cp} ({s.cp_method})" if s.cp > 1 else "") + f", ZeRO-{s.zero_stage}, "
           f"{s.precision}, micro-batch {s.micro_batch} x {s.micro_batches} accumulated "
           f"(global {s.global_batch}), recompute {s.recompute}"
           + (f" (spans of {s.checkpoint_interval})" if s.recompute == "full" else "")

@@ -10,7 +10,7 @@ from .common import EXIT_INVALID, EXIT_OK, EXIT_USAGE, add_world_size, load_or_r
 def register(sub) -> None:
     p = sub.add_parser("show", help="resolved sizes and every rank's coordinates and peers",
                        description="Show what a recipe resolves to: data size, batch triple, world size, and "
-                                   "each rank's (pipeline, data, tensor) coordinates and peers, by node.")
+                                   "each rank's (pipeline, data, context, tensor) coordinates and peers, by node.")
     p.add_argument("recipe", metavar="RECIPE")
     add_world_size(p)
     p.add_argument("--json", action="store_true", help="the same as JSON")
@@ -20,18 +20,24 @@ def register(sub) -> None:
 
 
 def rank_rows(topology, gpus_per_node=None) -> list[dict]:
+    """One row per rank: node, coordinates and peers; with a context axis also its context coordinate, its context
+    group (the ring its keys and values go around) and its gradient group (data x context)."""
+    context = topology.cp_size > 1
     rows = []
     for rank in range(topology.world_size):
         c = topology.coord(rank)
-        rows.append({
+        row = {
             "rank": rank,
             "node": topology.node_of(rank, gpus_per_node) if gpus_per_node else None,
             "local_rank": rank % gpus_per_node if gpus_per_node else None,
-            "pipeline": c.pp, "data": c.dp, "tensor": c.tp,
+            "pipeline": c.pp, "data": c.dp, **({"context": c.cp} if context else {}), "tensor": c.tp,
             "tensor_peers": topology.group_of(rank, "tensor"),
+            **({"context_peers": topology.group_of(rank, "context")} if context else {}),
             "data_peers": topology.group_of(rank, "data"),
+            **({"gradient_peers": topology.group_of(rank, "data_context")} if context else {}),
             "pipeline_peers": topology.group_of(rank, "pipeline"),
-        })
+        }
+        rows.append(row)
     return rows
 
 
@@ -45,16 +51,19 @@ def run(args) -> int:
     if needs_world_size(recipe, args.world_size, "the rank map depends on it"):
         return EXIT_INVALID
     layout = recipe.layout(args.world_size)
-    topology = Topology(layout.pipeline, layout.data, layout.tensor)
+    topology = Topology.from_layout(layout)
     gpn = recipe.cluster.gpus_per_node if recipe.cluster else None
     rows = rank_rows(topology, gpn)
     resolved = {
         "name": recipe.name, "file": recipe.source, "description": recipe.description,
-        "data": layout.data, "tensor": layout.tensor, "pipeline": layout.pipeline, "world_size": layout.world_size,
+        "layout": layout.words,
+        "data": layout.data, "tensor": layout.tensor, "pipeline": layout.pipeline, "context": layout.context,
+        "world_size": layout.world_size,
         "global_batch": layout.global_batch, "micro_batch": layout.micro_batch, "grad_accum": layout.grad_accum,
         "zero_stage": recipe.zero.stage, "offload_optimizer": recipe.zero.offload_optimizer,
         "offload_param": recipe.zero.offload_param, "precision": recipe.precision,
         "sequence_parallel": recipe.tensor_parallel.sequence_parallel,
+        "context_parallel": recipe.context_parallel.method if layout.context > 1 else None,
         "schedule": recipe.pipeline_parallel.schedule if layout.pipeline > 1 else None,
         "activation_checkpointing": _recompute_words(recipe.activation_checkpointing),
         "lr_schedule": describe_schedule(recipe.lr_schedule, recipe.optimizer.lr),
@@ -102,16 +111,19 @@ def _render(resolved: dict, rows: list[dict], gpus_per_node) -> None:
         if value is not None and value != "":
             summary.add_row(key, str(value))
     console.print(summary)
-    table = Table(title="rank map: rank = (pp x data_size + dp) x tensor_size + tp (tensor fastest, then data, then "
-                        "pipeline)", title_justify="left")
-    columns = (["node", "local"] if gpus_per_node else []) + ["rank", "pipeline", "data", "tensor",
-                                                              "tensor peers", "data peers", "pipeline peers"]
+    context = "context" in rows[0]
+    title = ("rank map: rank = ((pp x data_size + dp) x context_size + cp) x tensor_size + tp (tensor fastest, then "
+             "context, then data, then pipeline; gradients reduced over data x context)" if context else
+             "rank map: rank = (pp x data_size + dp) x tensor_size + tp (tensor fastest, then data, then pipeline)")
+    table = Table(title=title, title_justify="left")
+    coords = ["pipeline", "data", *(["context"] if context else []), "tensor"]
+    peers = ["tensor", *(["context"] if context else []), "data", *(["gradient"] if context else []), "pipeline"]
+    columns = (["node", "local"] if gpus_per_node else []) + ["rank", *coords, *(f"{p} peers" for p in peers)]
     for c in columns:
-        table.add_column(c, justify="right" if c in ("node", "local", "rank", "pipeline", "data", "tensor") else "left")
+        table.add_column(c, justify="left" if c.endswith(" peers") else "right")
     for i, r in enumerate(rows):
         cells = ([str(r["node"]), str(r["local_rank"])] if gpus_per_node else []) + [
-            str(r["rank"]), str(r["pipeline"]), str(r["data"]), str(r["tensor"]),
-            _peers(r["tensor_peers"]), _peers(r["data_peers"]), _peers(r["pipeline_peers"])]
+            str(r["rank"]), *(str(r[c]) for c in coords), *(_peers(r[f"{p}_peers"]) for p in peers)]
         last_of_node = gpus_per_node and (i + 1 == len(rows) or rows[i + 1]["node"] != r["node"])
         table.add_row(*cells, end_section=bool(last_of_node))
     console.print(table)

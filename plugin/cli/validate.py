@@ -34,12 +34,12 @@ def run(args) -> int:
 
 
 def _summary(recipe, world_size) -> str:
+    from ..recipe.layout import layout_words, processes
+
     par = recipe.parallelism
     if par.data == "auto" and world_size is None:
-        return f'data auto x tensor {par.tensor} x pipeline {par.pipeline} (world size set by the launcher)'
-    from ..recipe.layout import processes
-
+        return f'{layout_words("auto", par.tensor, par.pipeline, par.context)} (world size set by the launcher)'
     lay = recipe.layout(world_size)
-    return (f"data {lay.data} x tensor {lay.tensor} x pipeline {lay.pipeline} = {processes(lay.world_size)}; "
+    return (f"{lay.words} = {processes(lay.world_size)}; "
             f"batch {lay.global_batch} = micro {lay.micro_batch} x grad_accum {lay.grad_accum} x data {lay.data}; "
             f"ZeRO-{recipe.zero.stage}, {recipe.precision}")

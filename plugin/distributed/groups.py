@@ -4,9 +4,9 @@
 this rank's :class:`ParallelGroups`; :func:`build_tie_groups` makes the groups over which the copies of a weight
 tied across pipeline stages sum their gradients (the native back end's; DeepSpeed's PipelineModule builds its own).
 ``new_group`` must be called by every rank for every group in the same order; it is, in the topology's order:
-tensor, data, pipeline, then model groups. A rank list seen before reuses its group (with no pipeline the model
-group is the tensor group), and a group of the whole world is the default group itself, so no communicator is
-created twice.
+tensor, data, pipeline, model, then (with a context axis) context and data x context groups. A rank list seen before
+reuses its group (with no pipeline the model group is the tensor group), and a group of the whole world is the default
+group itself, so no communicator is created twice.
 
 With DeepSpeed's ``PipelineModule`` the groups already exist in its grid (``deepspeed.initialize`` then
 requires ``mpu=None``): :meth:`ParallelGroups.from_deepspeed_grid` wraps them without creating any, so
@@ -38,7 +38,10 @@ class GroupError(PluginError):
 
 @dataclass(frozen=True, eq=False)
 class ParallelGroups:
-    """This rank's tensor, data, pipeline and model (tensor x pipeline) groups, and their rank lists."""
+    """This rank's tensor, data, pipeline and model (tensor x pipeline) groups, and their rank lists; with a context
+    axis also its context group (the ranks holding the other chunks of the same rows) and its data x context group,
+    over which gradients are reduced (every rank holding the same parameters). Without one, ``context_group`` is
+    None and ``data_context_group`` is the data group."""
 
     topology: Topology
     rank: int
@@ -50,6 +53,16 @@ class ParallelGroups:
     pipeline_ranks: tuple[int, ...]
     model_group: Any
     model_ranks: tuple[int, ...]
+    context_group: Any = None
+    context_ranks: tuple[int, ...] = ()
+    data_context_group: Any = None
+    data_context_ranks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.context_ranks:  # no context axis: a context of one, gradients over the data group
+            object.__setattr__(self, "context_ranks", (self.rank,))
+            object.__setattr__(self, "data_context_group", self.data_group)
+            object.__setattr__(self, "data_context_ranks", self.data_ranks)
 
     # -- coordinates
     @property
@@ -75,6 +88,19 @@ class ParallelGroups:
     @property
     def pp_rank(self) -> int:
         return self.pipeline_ranks.index(self.rank)
+
+    @property
+    def cp_size(self) -> int:
+        return len(self.context_ranks)
+
+    @property
+    def cp_rank(self) -> int:
+        return self.context_ranks.index(self.rank)
+
+    @property
+    def data_context_size(self) -> int:
+        """Ranks over which gradients are reduced: data x context."""
+        return len(self.data_context_ranks)
 
     @property
     def model_size(self) -> int:
@@ -174,7 +200,8 @@ class ParallelGroups:
 
 
 def build_groups(topology: Topology, backend: str | None = None) -> ParallelGroups:
-    """Create every tensor, data, pipeline and model group of ``topology``; return this rank's.
+    """Create every tensor, data, pipeline and model group of ``topology`` (and context and data x context groups
+    when it has a context axis); return this rank's.
 
     A collective: every rank of the default group must call it with the same topology. ``backend``
     (e.g. "gloo" next to an NCCL default group) is passed to ``new_group``; ``None`` uses the default's.
@@ -187,7 +214,7 @@ def build_groups(topology: Topology, backend: str | None = None) -> ParallelGrou
     if topology.world_size != world:
         raise GroupError(f"the topology {topology} needs {topology.world_size} processes but "
                          f"{world} were launched; launch {topology.world_size}, or change the recipe's "
-                         f"parallelism so that pipeline x data x tensor = {world}")
+                         f"parallelism so that pipeline x data x tensor x context = {world}")
     made: dict[tuple[int, ...], Any] = {}
 
     def group_for(lists: list[list[int]]):
@@ -207,12 +234,16 @@ def build_groups(topology: Topology, backend: str | None = None) -> ParallelGrou
     data = group_for(topology.data_groups())
     pipeline = group_for(topology.pipeline_groups())
     model = group_for(topology.model_groups())
-    return ParallelGroups(topology, rank, *tensor, *data, *pipeline, *model)
+    if topology.cp_size == 1:
+        return ParallelGroups(topology, rank, *tensor, *data, *pipeline, *model)
+    context = group_for(topology.context_groups())
+    data_context = group_for(topology.data_context_groups())
+    return ParallelGroups(topology, rank, *tensor, *data, *pipeline, *model, *context, *data_context)
 
 
 def build_tie_groups(topology: Topology, pipeline_ranks: list[tuple[int, ...]], backend: str | None = None) -> dict:
     """Megatron's embedding group, for any weight tied across pipeline stages: for each set of pipeline coordinates
-    in ``pipeline_ranks`` (e.g. ``(0, pipeline - 1)``: the first and last stage), one group per (data, tensor)
+    in ``pipeline_ranks`` (e.g. ``(0, pipeline - 1)``: the first and last stage), one group per (data, context, tensor)
     coordinate of the global ranks at those pipeline coordinates. Returns ``{pipeline ranks: this rank's group}``
     for the sets this rank is in (gradients of the tied copies are summed over it).
 
@@ -222,10 +253,11 @@ def build_tie_groups(topology: Topology, pipeline_ranks: list[tuple[int, ...]], 
     mine = {}
     for pp_ranks in sorted(set(pipeline_ranks)):
         for dp in range(topology.dp_size):
-            for tp in range(topology.tp_size):
-                ranks = [topology.rank(pp=p, dp=dp, tp=tp) for p in pp_ranks]
-                whole_world = len(ranks) == world and backend is None
-                group = dist.group.WORLD if whole_world else dist.new_group(ranks, backend=backend)
-                if rank in ranks:
-                    mine[pp_ranks] = group
+            for cp in range(topology.cp_size):
+                for tp in range(topology.tp_size):
+                    ranks = [topology.rank(pp=p, dp=dp, tp=tp, cp=cp) for p in pp_ranks]
+                    whole_world = len(ranks) == world and backend is None
+                    group = dist.group.WORLD if whole_world else dist.new_group(ranks, backend=backend)
+                    if rank in ranks:
+                        mine[pp_ranks] = group
     return mine

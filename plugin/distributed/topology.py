@@ -1,21 +1,33 @@
-"""Pure rank arithmetic: which rank holds which (pipeline, data, tensor) coordinate.
+"""Pure rank arithmetic: which rank holds which (pipeline, data, context, tensor) coordinate.
 
-One rank order, the one DeepSpeed (``PipeModelDataParallelTopology``, axes pipe, data, model) and
-Megatron-LM use: tensor fastest, then data, then pipeline::
+One rank order, Megatron-LM's (``RankGenerator`` with order ``tp-cp-ep-dp-pp``), which is DeepSpeed's
+``PipeModelDataParallelTopology`` (axes pipe, data, model) whenever there is no context axis: tensor fastest,
+then context, then data, then pipeline::
 
-    rank = (pp_rank * dp_size + dp_rank) * tp_size + tp_rank
+    rank = ((pp_rank * dp_size + dp_rank) * cp_size + cp_rank) * tp_size + tp_rank
 
 Tensor-parallel peers therefore sit on consecutive ranks (inside one node whenever ``tp_size`` divides
-the GPUs per node), which is where their two all-reduces per block want to be. On 8 ranks of pipeline 2 x
-data 2 x tensor 2:
+the GPUs per node), which is where their two all-reduces per block want to be; context peers (who pass keys and
+values around a ring in every attention) come next. On 8 ranks of pipeline 2 x data 2 x tensor 2:
 
 >>> t = Topology(pp_size=2, dp_size=2, tp_size=2)
 >>> t.coord(5)
-Coord(pp=1, dp=0, tp=1)
+Coord(pp=1, dp=0, tp=1, cp=0)
 >>> t.rank(pp=1, dp=0, tp=1)
 5
 >>> t.tensor_groups()
 [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+With a context axis of 2 (data 2 x tensor 2 x context 2), context peers are ``tp_size`` apart, and gradients are
+reduced over data x context (every rank holding the same parameters):
+
+>>> t = Topology(dp_size=2, tp_size=2, cp_size=2)
+>>> t.coord(6)
+Coord(pp=0, dp=1, tp=0, cp=1)
+>>> t.context_groups(), t.data_groups()
+([[0, 2], [1, 3], [4, 6], [5, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
+>>> t.data_context_groups()
+[[0, 2, 4, 6], [1, 3, 5, 7]]
 
 Nothing here touches torch.distributed: :mod:`plugin.distributed.groups` turns these rank lists into process
 groups. The examples are doctests (tests/unit/test_doctests.py runs them).
@@ -27,23 +39,26 @@ from typing import NamedTuple
 
 
 class Coord(NamedTuple):
-    """A rank's place on the three axes."""
+    """A rank's place on the four axes. The field order keeps ``Coord(pp, dp, tp)`` of the three-axis grid (``cp``
+    last, 0 by default); the rank order is tensor, context, data, pipeline (fastest first)."""
 
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
 class Topology:
-    """The (pipeline, data, tensor) grid of a job. ``world_size = pp_size * dp_size * tp_size``."""
+    """The (pipeline, data, context, tensor) grid of a job. ``world_size = pp_size * dp_size * cp_size * tp_size``."""
 
     pp_size: int = 1
     dp_size: int = 1
     tp_size: int = 1
+    cp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("pp_size", "dp_size", "tp_size"):
+        for name in ("pp_size", "dp_size", "tp_size", "cp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Topology.{name} must be an int >= 1, got {value!r}")
@@ -51,22 +66,28 @@ class Topology:
     @classmethod
     def from_recipe(cls, recipe, world_size: int | None = None) -> Topology:
         """The grid of a recipe; ``"data": "auto"`` needs ``world_size`` to be resolved."""
-        layout = recipe.layout(world_size)
-        return cls(pp_size=layout.pipeline, dp_size=layout.data, tp_size=layout.tensor)
+        return cls.from_layout(recipe.layout(world_size))
+
+    @classmethod
+    def from_layout(cls, layout) -> Topology:
+        """The grid of a resolved :class:`plugin.recipe.layout.Layout`."""
+        return cls(pp_size=layout.pipeline, dp_size=layout.data, tp_size=layout.tensor, cp_size=layout.context)
 
     @property
     def world_size(self) -> int:
-        return self.pp_size * self.dp_size * self.tp_size
+        return self.pp_size * self.dp_size * self.cp_size * self.tp_size
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size} ranks")
 
     def coord(self, rank: int) -> Coord:
-        """(pp, dp, tp) of ``rank``: tensor fastest, pipeline slowest.
+        """(pp, dp, tp, cp) of ``rank``: tensor fastest, then context, then data, pipeline slowest.
 
         >>> Topology(pp_size=2, dp_size=3, tp_size=4).coord(13)
-        Coord(pp=1, dp=0, tp=1)
+        Coord(pp=1, dp=0, tp=1, cp=0)
+        >>> Topology(dp_size=2, tp_size=2, cp_size=2).coord(3)
+        Coord(pp=0, dp=0, tp=1, cp=1)
         >>> Topology(dp_size=4).coord(4)
         Traceback (most recent call last):
         ...
@@ -74,77 +95,118 @@ class Topology:
         """
         self._check_rank(rank)
         tp = rank % self.tp_size
-        dp = (rank // self.tp_size) % self.dp_size
-        pp = rank // (self.tp_size * self.dp_size)
-        return Coord(pp, dp, tp)
+        cp = (rank // self.tp_size) % self.cp_size
+        dp = (rank // (self.tp_size * self.cp_size)) % self.dp_size
+        pp = rank // (self.tp_size * self.cp_size * self.dp_size)
+        return Coord(pp, dp, tp, cp)
 
-    def rank(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+    def rank(self, pp: int = 0, dp: int = 0, tp: int = 0, cp: int = 0) -> int:
         """The rank at a coordinate, the inverse of :meth:`coord`.
 
-        >>> t = Topology(pp_size=2, dp_size=3, tp_size=4)
-        >>> t.rank(pp=1, dp=0, tp=1)
-        13
+        >>> t = Topology(pp_size=2, dp_size=3, tp_size=4, cp_size=2)
+        >>> t.rank(pp=1, dp=0, tp=1, cp=1)
+        29
         >>> all(t.rank(*t.coord(r)) == r for r in range(t.world_size))
         True
         """
-        if not (0 <= pp < self.pp_size and 0 <= dp < self.dp_size and 0 <= tp < self.tp_size):
-            raise ValueError(f"coordinate (pp={pp}, dp={dp}, tp={tp}) is outside {self}")
-        return (pp * self.dp_size + dp) * self.tp_size + tp
+        if not (0 <= pp < self.pp_size and 0 <= dp < self.dp_size and 0 <= tp < self.tp_size
+                and 0 <= cp < self.cp_size):
+            raise ValueError(f"coordinate (pp={pp}, dp={dp}, tp={tp}, cp={cp}) is outside {self}")
+        return ((pp * self.dp_size + dp) * self.cp_size + cp) * self.tp_size + tp
 
-    # Group rank lists: every list holds the ranks that differ only along one axis (or two).
+    def _lists(self, inner: str) -> list[list[int]]:
+        """Rank lists: the ranks that differ only along the axes in ``inner`` (letters p, d, c, t, slowest first),
+        one list per coordinate of the other axes, in rank order of their first rank."""
+        sizes = {"p": self.pp_size, "d": self.dp_size, "c": self.cp_size, "t": self.tp_size}
+        outer = [a for a in "pdct" if a not in inner]
+
+        def coords(axes):
+            out = [{}]
+            for a in axes:
+                out = [{**c, a: i} for c in out for i in range(sizes[a])]
+            return out
+
+        def rank_of(c):
+            return self.rank(pp=c.get("p", 0), dp=c.get("d", 0), tp=c.get("t", 0), cp=c.get("c", 0))
+
+        return [[rank_of({**o, **i}) for i in coords(inner)] for o in coords(outer)]
+
+    # Group rank lists: every list holds the ranks that differ only along one axis (or a few).
     def tensor_groups(self) -> list[list[int]]:
-        """Ranks sharing (pp, dp): the tensor-parallel groups, consecutive ranks.
+        """Ranks sharing (pp, dp, cp): the tensor-parallel groups, consecutive ranks.
 
         >>> Topology(pp_size=2, dp_size=2, tp_size=2).tensor_groups()
         [[0, 1], [2, 3], [4, 5], [6, 7]]
         """
-        return [[self.rank(p, d, t) for t in range(self.tp_size)]
-                for p in range(self.pp_size) for d in range(self.dp_size)]
+        return self._lists("t")
+
+    def context_groups(self) -> list[list[int]]:
+        """Ranks sharing (pp, dp, tp): the context-parallel groups (each holds its chunks of the same rows' sequence;
+        keys and values go around them), ``tp_size`` apart.
+
+        >>> Topology(dp_size=2, tp_size=2, cp_size=2).context_groups()
+        [[0, 2], [1, 3], [4, 6], [5, 7]]
+        """
+        return self._lists("c")
 
     def data_groups(self) -> list[list[int]]:
-        """Ranks sharing (pp, tp): the data-parallel groups (gradients are averaged over these), ``tp_size`` apart.
+        """Ranks sharing (pp, cp, tp): the data-parallel groups (each member trains other rows), ``cp_size x tp_size``
+        apart.
 
         >>> Topology(pp_size=2, dp_size=2, tp_size=2).data_groups()
         [[0, 2], [1, 3], [4, 6], [5, 7]]
         """
-        return [[self.rank(p, d, t) for d in range(self.dp_size)]
-                for p in range(self.pp_size) for t in range(self.tp_size)]
+        return self._lists("d")
+
+    def data_context_groups(self) -> list[list[int]]:
+        """Ranks sharing (pp, tp): data x context, every rank holding the same parameters, over which gradients are
+        reduced (Megatron's data-parallel group "with context parallel", DeepSpeed's sequence-data-parallel group);
+        the data groups when ``cp_size`` is 1.
+
+        >>> Topology(pp_size=2, dp_size=2, tp_size=2, cp_size=2).data_context_groups()
+        [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+        """
+        return self._lists("dc")
 
     def pipeline_groups(self) -> list[list[int]]:
-        """Ranks sharing (dp, tp): one pipeline each, in stage order, ``dp_size x tp_size`` apart.
+        """Ranks sharing (dp, cp, tp): one pipeline each, in stage order, ``dp_size x cp_size x tp_size`` apart.
 
         >>> Topology(pp_size=2, dp_size=2, tp_size=2).pipeline_groups()
         [[0, 4], [1, 5], [2, 6], [3, 7]]
         """
-        return [[self.rank(p, d, t) for p in range(self.pp_size)]
-                for d in range(self.dp_size) for t in range(self.tp_size)]
+        return self._lists("p")
 
     def model_groups(self) -> list[list[int]]:
-        """Ranks sharing dp: tensor x pipeline, what Megatron calls "model parallel" (one model replica).
+        """Ranks sharing (dp, cp): tensor x pipeline, what Megatron calls "model parallel" (one model replica; its
+        ranks hold every parameter once, so a gradient norm sums over it).
 
         >>> Topology(pp_size=2, dp_size=2, tp_size=2).model_groups()
         [[0, 1, 4, 5], [2, 3, 6, 7]]
         """
-        return [[self.rank(p, d, t) for p in range(self.pp_size) for t in range(self.tp_size)]
-                for d in range(self.dp_size)]
+        return self._lists("pt")
+
+    def replica_groups(self) -> list[list[int]]:
+        """Ranks sharing dp: tensor x context x pipeline, the ranks given the same rows of a global batch (one list
+        per data rank); the model groups when ``cp_size`` is 1.
+
+        >>> Topology(dp_size=2, tp_size=2, cp_size=2).replica_groups()
+        [[0, 1, 2, 3], [4, 5, 6, 7]]
+        """
+        return self._lists("pct")
+
+    AXES = ("tensor", "context", "data", "data_context", "pipeline", "model", "replica")
 
     def group_of(self, rank: int, axis: str) -> list[int]:
-        """The ``axis`` ("tensor", "data", "pipeline" or "model") group that holds ``rank``.
+        """The ``axis`` group (one of :attr:`AXES`) that holds ``rank``.
 
         >>> t = Topology(pp_size=2, dp_size=2, tp_size=2)
         >>> t.group_of(5, "data"), t.group_of(5, "pipeline"), t.group_of(5, "model")
         ([5, 7], [1, 5], [0, 1, 4, 5])
         """
-        lists = {
-            "tensor": self.tensor_groups,
-            "data": self.data_groups,
-            "pipeline": self.pipeline_groups,
-            "model": self.model_groups,
-        }
-        if axis not in lists:
-            raise ValueError(f"unknown axis {axis!r}; use one of {sorted(lists)}")
+        if axis not in self.AXES:
+            raise ValueError(f"unknown axis {axis!r}; use one of {sorted(self.AXES)}")
         self._check_rank(rank)
-        return next(g for g in lists[axis]() if rank in g)
+        return next(g for g in getattr(self, f"{axis}_groups")() if rank in g)
 
     @staticmethod
     def node_of(rank: int, gpus_per_node: int) -> int:
@@ -155,6 +217,9 @@ class Topology:
         """
         return rank // gpus_per_node
 
+    def _cross_nodes(self, lists: list[list[int]], gpus_per_node: int) -> bool:
+        return any(len({self.node_of(r, gpus_per_node) for r in g}) > 1 for g in lists)
+
     def tensor_groups_cross_nodes(self, gpus_per_node: int) -> bool:
         """True when some tensor group spans more than one node.
 
@@ -163,4 +228,14 @@ class Topology:
         >>> Topology(dp_size=2, tp_size=4).tensor_groups_cross_nodes(gpus_per_node=2)
         True
         """
-        return any(len({self.node_of(r, gpus_per_node) for r in g}) > 1 for g in self.tensor_groups())
+        return self._cross_nodes(self.tensor_groups(), gpus_per_node)
+
+    def context_groups_cross_nodes(self, gpus_per_node: int) -> bool:
+        """True when some context group spans more than one node (its ring then runs over the inter-node network).
+
+        >>> Topology(dp_size=2, tp_size=2, cp_size=2).context_groups_cross_nodes(gpus_per_node=4)
+        False
+        >>> Topology(tp_size=4, cp_size=2).context_groups_cross_nodes(gpus_per_node=4)
+        True
+        """
+        return self._cross_nodes(self.context_groups(), gpus_per_node)

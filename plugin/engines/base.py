@@ -11,10 +11,13 @@ non-ignored target token of the global batch, across micro-batches, data ranks a
 padded batches of uneven lengths train what one process trains. A user ``loss_fn`` is taken per micro-batch and
 averaged over micro-batches and data ranks (each micro-batch weighs the same).
 
-The data contract (:mod:`plugin.engines.data_contract`): the ranks of one model replica (tensor peers, pipeline stages)
-must hold the same rows. Every back end reaches its batch through :meth:`Engine.local_batch` (directly, or
-through :meth:`Engine.micro_batches`), which checks it on every step of a layout with tensor or pipeline > 1,
-so one check covers them all. :meth:`Engine.dataloader` yields rows that keep it.
+The data contract (:mod:`plugin.engines.data_contract`): the ranks of one model replica (tensor peers, pipeline stages,
+context peers) must hold the same rows. Under context parallelism each context rank then keeps its two chunks of
+every row's sequence (:meth:`Engine.context_share`, :mod:`plugin.context_parallel.batch`), and its loss is its tokens'
+share of the global batch's: gradients are reduced over data x context (:attr:`Engine.loss_replicas`). Every back end
+reaches its batch through :meth:`Engine.local_batch` (directly, or through :meth:`Engine.micro_batches`), which checks
+it on every step of a layout with tensor, pipeline or context > 1, so one check covers them all.
+:meth:`Engine.dataloader` yields rows that keep it.
 
 What each step did is :attr:`Engine.last_step` (a :class:`plugin.monitor.record.StepReport`: loss, lr, the gradient
 norm the back end clipped with, tokens, time, memory, MFU): :meth:`Engine.train_step` wraps the back end's
@@ -31,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PluginError
-from .batches import HF, map_tensors, micro_batches, rows_of, shard_rows, split_batch, target_count
+from .batches import HF, SHIFTED, map_tensors, micro_batches, rows_of, shard_rows, split_batch, target_count
 from .data_contract import check_same_rows
 
 
@@ -164,7 +167,7 @@ class Engine(abc.ABC):
         """This data rank's rows of ``dataset`` for each step: a :class:`plugin.data.loader.StepLoader`.
 
         Each step's rows over all data ranks are one global batch, the same whatever the layout (a run on any
-        layout gives the losses of one process on the same dataset); tensor and pipeline peers get the same
+        layout gives the losses of one process on the same dataset); tensor, pipeline and context peers get the same
         rows. Shuffled per epoch from ``seed`` and the epoch; an incomplete last global batch is dropped; its
         ``state_dict()`` resumes mid-epoch. See :class:`~plugin.data.loader.StepLoader`.
         """
@@ -238,10 +241,11 @@ class Engine(abc.ABC):
         """This data rank's share of ``batch`` (given whole, or already split) as ``(inputs, labels)``, on the
         engine's device, its inputs as the module takes them (:meth:`to_inputs`); labels keep their dtype.
 
-        With tensor or pipeline > 1, the share's fingerprint is compared over the model replica first
+        With tensor, pipeline or context > 1, the share's fingerprint is compared over the model replica first
         (:func:`plugin.engines.data_contract.check_same_rows`, one all-gather of 3 int64 per rank over the world): a
         mismatch, or a wrong row count on any rank, raises on every rank before anything is trained.
-        Then the default loss is told the step's token count (:meth:`prepare_loss`)."""
+        Then the default loss is told the step's token count (:meth:`prepare_loss`), and under context parallelism
+        the share is cut into this rank's chunks (:meth:`context_share`)."""
         call = call or ("train_step" if torch.is_grad_enabled() else "eval_step")  # every eval_step runs no_grad
         inputs, labels, convention = split_batch(batch)
         rows = rows_of(inputs)
@@ -258,14 +262,34 @@ class Engine(abc.ABC):
                      f"(micro {lay.micro_batch} x grad_accum {lay.grad_accum} = {local_rows})")
         inputs = map_tensors(inputs, lambda t: t.to(self.device, non_blocking=True))
         labels = labels.to(self.device, non_blocking=True)
-        if lay.tensor * lay.pipeline > 1 and self.check_peer_rows:  # no peers at tensor = pipeline = 1
+        if lay.tensor * lay.pipeline * lay.context > 1 and self.check_peer_rows:  # no peers without those axes
             check_same_rows(None if wrong else (inputs, labels), rows, self.topology, call=call,
                             global_rows=lay.global_batch, local_rows=local_rows, device=self.device)
         if wrong:
             raise ValueError(wrong)
         self._step_tokens = whole.numel() if whole is not None else labels.numel() * lay.data  # the global batch's
         self.prepare_loss(labels, convention, whole, inputs=inputs if call == "train_step" else None)
+        if lay.context > 1:
+            inputs, labels = self.context_share(inputs, labels, convention)
         return self.to_inputs(inputs), labels
+
+    @property
+    def loss_replicas(self) -> int:
+        """Over how many ranks the back end averages the summed gradients (and the loss): data x context. The
+        default loss's denominator and :meth:`mean_over_data` divide by it, so every rank's loss is its tokens' share
+        of the global batch's mean."""
+        return self.layout.data * self.layout.context
+
+    def context_share(self, inputs, labels, convention: str):
+        """This context rank's chunks of the data share (:func:`plugin.context_parallel.batch.context_share`); the
+        default loss then reads Hugging Face labels as shifted, since the cut shifted them first."""
+        from ..context_parallel.batch import context_share
+
+        inputs, labels = context_share(inputs, labels, convention == HF, self.groups.cp_rank, self.layout.context,
+                                       positions=self.calls_with_kwargs)
+        if convention == HF and hasattr(self.loss_fn, "prepare"):
+            self.loss_fn.prepare(self.loss_fn.denominator, SHIFTED)
+        return inputs, labels
 
     def prepare_loss(self, labels, convention: str, whole=None, inputs=None) -> None:
         """Give the default loss (one with ``prepare``) this step's denominator ``N / (data x grad_accum)``, ``N``
@@ -304,26 +328,27 @@ class Engine(abc.ABC):
             raise PluginError(f"step {self.step_count + 1}: the global batch has no target token (every label is "
                               "-100" + (", and the shift drops each row's first label" if convention == HF else "")
                               + ") -> check the labels' padding")
-        loss_fn.prepare(n / (lay.data * lay.grad_accum), convention)
+        loss_fn.prepare(n / (self.loss_replicas * lay.grad_accum), convention)
 
     def micro_batches(self, batch, call: str | None = None) -> list:
         return micro_batches(self.local_batch(batch, call), self.layout.grad_accum)
 
     def mean_over_data(self, value: torch.Tensor) -> float:
-        """Average a per-rank scalar over the data-parallel group (tensor/pipeline peers hold the same)."""
+        """Average a per-rank scalar over the data-parallel group (tensor/pipeline peers hold the same); with a context
+        axis, sum over data x context and divide by :attr:`loss_replicas` (each context rank's loss is its share)."""
         return self.start_mean_over_data(value)()
 
     def start_mean_over_data(self, value: torch.Tensor) -> Callable[[], float]:
         """Start averaging a per-rank scalar over the data-parallel group without waiting; the returned
         function waits and gives the float. Started before a backward pass, the reduction hides behind it."""
         value = value.detach().float().reshape(1).to(self.device)
-        if self.layout.data == 1:
+        if self.layout.data * self.layout.context == 1:
             return lambda: float(value.item())
-        work = dist.all_reduce(value, group=self.groups.data_group, async_op=True)
+        work = dist.all_reduce(value, group=self.groups.data_context_group, async_op=True)
 
         def finish() -> float:
             work.wait()
-            return float(value.item()) / self.layout.data
+            return float(value.item()) / self.loss_replicas
 
         return finish
 
@@ -334,5 +359,5 @@ class Engine(abc.ABC):
     def describe(self) -> dict[str, Any]:
         lay = self.layout
         return {"backend": self.backend, "data": lay.data, "tensor": lay.tensor, "pipeline": lay.pipeline,
-                "zero": self.recipe.zero.stage, "precision": self.recipe.precision,
+                "context": lay.context, "zero": self.recipe.zero.stage, "precision": self.recipe.precision,
                 "global_batch": lay.global_batch, "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum}

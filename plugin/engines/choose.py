@@ -2,14 +2,15 @@
 installed (no torch import; :func:`plugin.engines.initialize.choose_backend` feeds in the live values).
 
 * ``"deepspeed"``: DeepSpeed is importable and the recipe allows it (launcher auto/deepspeed; a pipeline
-  schedule DeepSpeed runs, i.e. 1F1B), and the job was not started by ``accelerate launch``.
+  schedule DeepSpeed runs, i.e. 1F1B; no context axis, which the DeepSpeed back end does not train yet and a
+  ``"launcher": "deepspeed"`` recipe is refused for), and the job was not started by ``accelerate launch``.
 * ``"accelerate"``: started by ``accelerate launch`` (launcher auto/accelerate) and the recipe needs nothing
   Accelerate cannot carry (:func:`accelerate_mode`): ``Accelerator`` itself trains, with DDP, its
   DeepSpeed plugin (which imports transformers: only where deepspeed and transformers are both installed)
   or its FSDP2 plugin.
-* ``"native"``: everything else: DeepSpeed missing, launcher torchrun/accelerate, tensor or pipeline
-  parallelism under ``accelerate launch``, or what Accelerate cannot do on this device or with what is
-  installed (ZeRO >= 1 without transformers: as without deepspeed).
+* ``"native"``: everything else: DeepSpeed missing, launcher torchrun/accelerate, a context axis, tensor or pipeline
+  parallelism under ``accelerate launch``, or what Accelerate cannot do on this device or with what is installed
+  (ZeRO >= 1 without transformers: as without deepspeed).
 
 ``accelerate launch`` is recognised by ``ACCELERATE_MIXED_PRECISION``, which its simple, multi-GPU/CPU and
 DeepSpeed launchers all export to every process they start (accelerate 1.x, ``utils/launch.py``);
@@ -41,9 +42,10 @@ def accelerate_mode(recipe, *, cuda: bool, has_deepspeed: bool, has_transformers
 
     Accelerate's DeepSpeed plugin imports transformers (``HfDeepSpeedConfig``, accelerate 1.x), so without
     transformers ZeRO >= 1 is decided as if deepspeed were missing, and the reason says so."""
-    if recipe.parallelism.tensor > 1 or recipe.parallelism.pipeline > 1:
-        return None, ("tensor/pipeline parallelism: Accelerate takes no custom process groups, so the plugin's "
-                      "native back end builds them")
+    par = recipe.parallelism
+    if par.tensor > 1 or par.pipeline > 1 or par.context > 1:
+        return None, ("tensor/pipeline/context parallelism: Accelerate takes no custom process groups, so the "
+                      "plugin's native back end builds them")
     if recipe.precision == "fp16" and not cuda:
         return None, "fp16 on CPU: Accelerate would silently train in fp32 there; the native back end autocasts"
     z = recipe.zero
@@ -77,4 +79,6 @@ def choose(recipe, *, environ: Mapping[str, str], has_deepspeed: bool, cuda: boo
         return "native"
     if recipe.parallelism.pipeline > 1 and recipe.pipeline_parallel.schedule != "1f1b":
         return "native"  # DeepSpeed's PipelineEngine runs 1F1B only
+    if recipe.parallelism.context > 1:
+        return "native"  # the DeepSpeed back end does not train a context axis yet
     return "deepspeed" if has_deepspeed else "native"

@@ -64,6 +64,5 @@ class BuildContext:
 
     @property
     def topology(self) -> Topology:
-        """The (pipeline, data, tensor) grid of :attr:`layout`."""
-        lay = self.layout
-        return Topology(pp_size=lay.pipeline, dp_size=lay.data, tp_size=lay.tensor)
+        """The (pipeline, data, context, tensor) grid of :attr:`layout`."""
+        return Topology.from_layout(self.layout)

@@ -92,6 +92,7 @@ def _who(topology, rank: int, with_data_rank: bool = False) -> str:
     coord = topology.coord(rank)
     parts = ([f"data rank {coord.dp}"] if with_data_rank else []) + \
             ([f"stage {coord.pp}"] if topology.pp_size > 1 else []) + \
+            ([f"context {coord.cp}"] if topology.cp_size > 1 else []) + \
             ([f"tensor {coord.tp}"] if topology.tp_size > 1 else [])
     return f"rank {rank} ({', '.join(parts)})"
 
@@ -114,7 +115,7 @@ def mismatch_message(values: Sequence[Sequence[int]], topology, *, call: str, gl
                 f"share (micro x grad_accum = {local_rows} rows), the same rows as its tensor and pipeline peers "
                 f"{fix}")
     lines, bad = [], 0
-    for dp_rank, ranks in enumerate(topology.model_groups()):  # one per data replica, by data rank
+    for dp_rank, ranks in enumerate(topology.replica_groups()):  # one per data replica, by data rank
         classes: dict[tuple, list[int]] = {}
         for r in ranks:
             classes.setdefault(tuple(values[r][1:]), []).append(r)
@@ -140,9 +141,9 @@ def all_agree(table: torch.Tensor, topology, *, global_rows: int, local_rows: in
     """Whether :func:`mismatch_message` would find nothing in ``table`` (every rank's fingerprint, rank order),
     in a few tensor operations: a Python pass over thousands of ranks would cost milliseconds a step.
 
-    Ranks are ordered (pipeline, data, tensor), tensor fastest, so one model replica is ``[:, d, :]`` of the
-    table viewed as ``[pipeline, data, tensor, FIELDS]``; its ranks agree when all equal its first."""
-    grid = table.view(topology.pp_size, topology.dp_size, topology.tp_size, FIELDS)
+    Ranks are ordered (pipeline, data, context, tensor), tensor fastest, so one model replica is ``[:, d, :]`` of the
+    table viewed as ``[pipeline, data, context x tensor, FIELDS]``; its ranks agree when all equal its first."""
+    grid = table.view(topology.pp_size, topology.dp_size, topology.cp_size * topology.tp_size, FIELDS)
     rows = grid[..., 0]
     rows_ok = ((rows == global_rows) | (rows == local_rows)).all()
     same = (grid[..., 1:] == grid[:1, :, :1, 1:]).all()

@@ -135,6 +135,27 @@ def _warn_on_launch_precision(recipe: Recipe, env) -> None:
               file=sys.stderr)
 
 
+def _check_context_parallel(model, recipe: Recipe, backend: str, env) -> None:
+    """Before any group: a model whose attention cannot be told the sequence is split, and back ends that cannot take
+    the context groups, are refused."""
+    from ..context_parallel.apply import supports_context_parallel
+
+    problems = []
+    why = supports_context_parallel(model)
+    if why:
+        problems.append(Problem("$.parallelism.context", why, 'use the reference GPT or a transformers causal LM, or '
+                                'set "context": 1'))
+    if backend == "accelerate":
+        problems.append(Problem("$.parallelism.context", "Accelerate's Accelerator takes no custom process groups, so "
+                                "it cannot reduce gradients over data x context", 'use backend "native" (what '
+                                "accelerate launch runs for a context axis)"))
+    if backend == "deepspeed":
+        problems.append(Problem("$.parallelism.context", "the DeepSpeed back end does not train a context axis yet",
+                                'use backend "native" ("launcher": "auto" or "torchrun" chooses it)'))
+    if problems:
+        _fail([p.with_file(recipe.source) for p in problems], env)
+
+
 def _fail(problems: list[Problem], env) -> None:
     if env.is_main:
         print("\n".join(p.format() for p in problems), file=sys.stderr, flush=True)
@@ -185,6 +206,8 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
     device = _device(env)
     backend = backend or choose_backend(recipe, device.type)
     _warn_on_launch_precision(recipe, env)
+    if recipe.parallelism.context > 1:
+        _check_context_parallel(model, recipe, backend, env)
     if backend == "native":  # chosen because deepspeed is missing: what only DeepSpeed does is refused now
         problems = [p.with_file(recipe.source) for p in check_native_back_end(recipe, chosen=True)]
         if problems:
@@ -237,5 +260,5 @@ def startup_line(engine) -> str:
     backend = d["backend"] + (f" ({mode})" if mode else "")
     groups = dist.get_backend() if dist.is_initialized() else "no process group"
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
-    return (f"start: {backend} on {engine.device.type}, {groups}, data {d['data']} x tensor {d['tensor']} x "
-            f"pipeline {d['pipeline']}, ZeRO-{d['zero']}, {d['precision']} (torch {torch.__version__}, {build})")
+    return (f"start: {backend} on {engine.device.type}, {groups}, {engine.layout.words}, ZeRO-{d['zero']}, "
+            f"{d['precision']} (torch {torch.__version__}, {build})")

@@ -40,14 +40,15 @@ def to_accelerate_config(recipe, world_size: int | None = None, *, cpu: bool = F
     its DeepSpeed plugin with the recipe's stage, offload, accumulation and clipping (that plugin needs
     deepspeed and transformers installed where it runs). ``deepspeed=False``, for machines without it: ZeRO >= 1
     is a plain MULTI_GPU launch too, and train.py picks Accelerate's FSDP2 plugin (CUDA, ZeRO-2/3) or the
-    plugin's native back end, as :func:`plugin.engines.choose.accelerate_mode` decides. With tensor or pipeline > 1
+    plugin's native back end, as :func:`plugin.engines.choose.accelerate_mode` decides. With tensor, pipeline or
+    context > 1
     Accelerate only launches the processes (MULTI_GPU/MULTI_CPU) and train.py runs the plugin's native
     back end, which builds those groups itself.
     """
     layout = recipe.layout(world_size)
     nodes = recipe.cluster.nodes if recipe.cluster else 1
     mixed = PRECISIONS[recipe.precision].accelerate
-    native_only = layout.tensor > 1 or layout.pipeline > 1
+    native_only = layout.tensor > 1 or layout.pipeline > 1 or layout.context > 1
     cfg: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE", "debug": False}
     if cpu:
         cfg["distributed_type"] = "MULTI_CPU" if layout.world_size > 1 else "NO"
@@ -68,7 +69,11 @@ def to_accelerate_config(recipe, world_size: int | None = None, *, cpu: bool = F
                 "num_machines": nodes, "num_processes": layout.world_size, "rdzv_backend": "static",
                 "same_network": True, "use_cpu": cpu})
     header = [f"# accelerate config for recipe {recipe.name!r} ({layout.world_size} processes)"]
-    if native_only:
+    if layout.context > 1:
+        header.append("# context parallelism: accelerate launches, the plugin's native back end trains; Accelerate's "
+                      "own parallelism_config (cp_size: torch's context_parallel under FSDP2 on CUDA; sp_size: "
+                      "DeepSpeed's Ulysses) is not written, as it would split the sequence a second time")
+    elif native_only:
         header.append("# tensor/pipeline parallelism: accelerate launches, the plugin's native back end trains")
     elif cfg["distributed_type"] == "DEEPSPEED":
         header.append("# needs deepspeed and transformers installed (Accelerate's DeepSpeed plugin imports "

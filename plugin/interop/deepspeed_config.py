@@ -53,6 +53,10 @@ def recipe_ds_config(recipe, layout) -> dict:
     scheduler = to_ds_scheduler(recipe)  # DeepSpeed's nearest to the recipe's lr_schedule (deepspeed_scheduler.py)
     if scheduler is not None:
         cfg["scheduler"] = scheduler
+    if layout.context > 1:
+        # DeepSpeed's sequence-parallel degree: its engine sums gradients over it and counts data ranks only in the
+        # batch triple; it reads the key itself only without an mpu (the plugin's engine hands it one)
+        cfg["sequence_parallel_size"] = layout.context
     if recipe.optimizer.name == "sgd" and z.stage >= 1:
         cfg["zero_allow_untested_optimizer"] = True  # DeepSpeed asserts on torch.optim.SGD under ZeRO without it
     if layout.pipeline > 1:
@@ -105,24 +109,33 @@ def _given(v) -> bool:
 def from_ds_config(cfg: Mapping, world_size: int | None = None, name: str = "imported") -> dict:
     """A recipe (as JSON data) from a DeepSpeed config. Keys with no recipe meaning go under ``deepspeed``.
 
-    The data degree is ``world_size / pipeline`` when ``world_size`` is given, else derived from a complete
-    batch triple, else ``"auto"``. Values of ``"auto"`` (Hugging Face style) are treated as not given.
+    The data degree is ``world_size / (pipeline x context)`` when ``world_size`` is given, else derived from a
+    complete batch triple, else ``"auto"``. Values of ``"auto"`` (Hugging Face style) are treated as not given.
+    ``sequence_parallel_size`` C > 1 (DeepSpeed's Ulysses degree) becomes ``"context": C`` with the
+    ``"all_to_all"`` method, Ulysses's.
     """
     rest = copy.deepcopy(thaw(cfg))
     recipe: dict[str, Any] = {"$schema": "../schemas/recipe.schema.json", "name": name,
                               "description": "Imported from a DeepSpeed config."}
     stages = _pop(rest, "pipeline", "stages")
     pipeline = stages if isinstance(stages, int) and not isinstance(stages, bool) and stages >= 1 else 1
+    sp = _pop(rest, "sequence_parallel_size")
+    context = sp if isinstance(sp, int) and not isinstance(sp, bool) and sp >= 1 else 1
+    if sp is not None and context != sp:  # a float or the like: no recipe equivalent; the checks say so
+        rest["sequence_parallel_size"] = sp
     g = _pop(rest, "train_batch_size")
     m = _pop(rest, "train_micro_batch_size_per_gpu")
     a = _pop(rest, "gradient_accumulation_steps")
     if world_size is not None:
-        data: Any = max(1, world_size // pipeline)
+        data: Any = max(1, world_size // (pipeline * context))
     elif _given(g) and _given(m) and _given(a) and g % (m * a) == 0:
         data = g // (m * a)
     else:
         data = "auto"
-    recipe["parallelism"] = {"data": data, "tensor": 1, "pipeline": pipeline}
+    recipe["parallelism"] = {"data": data, "tensor": 1, "pipeline": pipeline, **({"context": context} if context > 1
+                                                                                 else {})}
+    if context > 1:
+        recipe["context_parallel"] = {"method": "all_to_all"}
     zero: dict[str, Any] = {}
     stage = _pop(rest, "zero_optimization", "stage")
     if stage is not None:

@@ -10,7 +10,9 @@ Between layers ``x`` is ``[seq, batch, hidden]`` (sequence first, like Megatron-
 then contiguous); with sequence parallelism it is this rank's ``[seq/p, batch, hidden]`` slice, which the
 vocabulary-split embedding produces directly by a reduce-scatter (positions added inside it). Under
 tensor parallelism the logits are split by vocabulary (``[batch, seq, V_padded/p]``, padded entries
-``-inf``) and :func:`gpt_loss` with the tensor group computes the loss without gathering them.
+``-inf``) and :func:`gpt_loss` with the tensor group computes the loss without gathering them. Under context
+parallelism (:meth:`GPT.configure_context_parallel`) ``tokens`` are this rank's two chunks of each row: positions
+are the chunks' global ones and attention spans the whole sequence (:func:`plugin.context_parallel.context_attention`).
 
 The fused ``qkv`` projection stores its rows grouped by key/value head: for each of the ``kv_heads``
 groups, its ``heads/kv_heads`` query heads, then its key head, then its value head. A contiguous split
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..context_parallel import context_attention
 from ..materialize.run import init_in_place
 from ..tensor_parallel.comm import allreduce_grads_in_backward, gather_from_sequence_region, scatter_to_sequence_region
 from ..tensor_parallel.cross_entropy import token_cross_entropy
@@ -55,15 +58,19 @@ class EmbeddingLayer(nn.Module):
         super().__init__()
         self.embed, self.pos_embed = embed, pos_embed
         self.config, self.tp = config, tp
+        self.cp = None  # the context-parallel context: tokens are this rank's chunks
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"GPT input must be token ids [batch, seq] (int64), got {tuple(tokens.shape)} "
                              f"{tokens.dtype}")
-        if tokens.shape[1] > self.config.seq_len:
-            raise ValueError(f"GPT input has {tokens.shape[1]} tokens per sequence, more than the "
+        context = 1 if self.cp is None else self.cp.size
+        if tokens.shape[1] * context > self.config.seq_len:
+            raise ValueError(f"GPT input has {tokens.shape[1] * context} tokens per sequence, more than the "
                              f"configured seq_len {self.config.seq_len}")
-        positions = self.pos_embed(torch.arange(tokens.shape[1], device=tokens.device))
+        where = (torch.arange(tokens.shape[1], device=tokens.device) if self.cp is None
+                 else self.cp.positions(tokens.shape[1], tokens.device))
+        positions = self.pos_embed(where)
         if not _sequence_parallel(self.tp):
             x = (self.embed(tokens) + positions).transpose(0, 1).contiguous()
             return _dropout(x, self.config.dropout, self.training)
@@ -88,6 +95,7 @@ class Attention(nn.Module):
         self.proj = nn.Linear(config.heads * config.head_dim, config.hidden, bias=config.bias)
         self.rng = None  # this tensor rank's dropout stream, set by GPT.configure_tensor_parallel
         self.recompute_core = False  # selective recompute, set by GPT.configure_selective_recompute
+        self.cp = None  # the context-parallel context, set by GPT.configure_context_parallel
 
     def forward(self, x: torch.Tensor, out_bias: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # [seq, batch, groups * (q_per_kv + 2) * head_dim]: whole sequence even under SP
@@ -96,21 +104,25 @@ class Attention(nn.Module):
         q = qkv[:, :, :, :self.q_per_kv].reshape(s, b, -1, self.head_dim).permute(1, 2, 0, 3)
         k = qkv[:, :, :, self.q_per_kv].permute(1, 2, 0, 3)
         v = qkv[:, :, :, self.q_per_kv + 1].permute(1, 2, 0, 3)
-        if self.q_per_kv > 1:
+        if self.q_per_kv > 1 and self.cp is None:  # the context attention takes kv_heads (fewer bytes on the ring)
             k = k.repeat_interleave(self.q_per_kv, dim=1)
             v = v.repeat_interleave(self.q_per_kv, dim=1)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             # the core's saved tensors (the softmax and its dropout on SDPA's math kernel) are dropped and
-            # recomputed in backward from q, k, v, this rank's dropout stream replayed
-            y = checkpoint(self._core, q, k, v, rngs=[self.rng] if self.rng is not None else [])
+            # recomputed in backward from q, k, v, this rank's dropout streams replayed
+            rngs = [r for r in (self.rng, getattr(self.cp, "rng", None)) if r is not None]
+            y = checkpoint(self._core, q, k, v, rngs=rngs)
         else:
             y = self._core(q, k, v)
         y = y.permute(2, 0, 1, 3).reshape(s, b, -1)
         return self.proj(y) if out_bias is None else self.proj(y, bias=out_bias)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + causal) with dropout, times v: the attention core."""
+        """softmax(q k^T / sqrt(d) + causal) with dropout, times v: the attention core (over the whole sequence
+        split across the context group under context parallelism, with the context rank's dropout stream)."""
         p = self.dropout if self.training else 0.0
+        if self.cp is not None:
+            return context_attention(q, k, v, self.cp, dropout_p=p)
         with sharded_region(self.rng if p else None, q.device):
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
@@ -202,6 +214,7 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
         self.tp = None
+        self.cp = None
         # The two wrapper layers of to_layers(), made once (a tuple: not registered as submodules, so
         # names and state_dict stay the GPT's own); their children are this model's modules.
         self._ends = (EmbeddingLayer(self.embed, self.pos_embed, config), HeadLayer(self.norm, self.head))
@@ -243,6 +256,7 @@ class GPT(nn.Module):
                 if getattr(wrapper, name) is not getattr(self, name):  # swapped by a tensor-parallel plan
                     setattr(wrapper, name, getattr(self, name))
             wrapper.tp = self.tp
+        embedding.cp = getattr(self, "cp", None)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = tokens
@@ -269,6 +283,14 @@ class GPT(nn.Module):
         attention core runs under the plugin's checkpoint, the rest of the block keeps its activations."""
         for block in self.blocks:
             block.attn.recompute_core = bool(enabled)
+
+    def configure_context_parallel(self, ctx) -> None:
+        """Context parallelism (:mod:`plugin.context_parallel`): inputs are this rank's chunks of each row; the
+        embedding adds their global positions and every attention core spans the whole sequence over ``ctx.group``."""
+        self.cp = ctx
+        for block in self.blocks:
+            block.attn.cp = ctx
+        self._sync_ends()
 
     def configure_tensor_parallel(self, ctx) -> None:
         self.tp = ctx

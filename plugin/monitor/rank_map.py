@@ -174,9 +174,10 @@ def rank_map_svg(topology, *, gpus_per_node: int | None = None, title: str = "")
 
 def _layout_words(axes: list[Axis]) -> str:
     """The layout, slowest axis first as the rank order nests them ("pipeline 2 x data 2 x tensor 2"); axes of size 1
-    have no place in that order and follow in brackets ("pipeline 2 x tensor 2 (data 1)")."""
+    have no place in that order and follow in brackets ("pipeline 2 x tensor 2 (data 1)"), the three every recipe has
+    only: an optional axis (context) at 1 is not named."""
     sized = [f"{a.name} {a.size}" for a in reversed(axes) if a.size > 1]
-    ones = [f"{a.name} 1" for a in axes if a.size == 1]
+    ones = [f"{a.name} 1" for a in axes if a.size == 1 and a.name in ("tensor", "data", "pipeline")]
     if not sized:
         return " x ".join(ones)
     return " x ".join(sized) + (f" ({', '.join(ones)})" if ones else "")

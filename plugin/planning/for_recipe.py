@@ -21,7 +21,8 @@ from .traffic import CommTerm, communication_per_rank
 
 
 def recipe_world_size(recipe) -> int | None:
-    """The world size a recipe means: data x tensor x pipeline, or its cluster's GPUs for ``"data": "auto"``."""
+    """The world size a recipe means: data x tensor x pipeline x context, or its cluster's GPUs for
+    ``"data": "auto"``."""
     if recipe.parallelism.data != "auto":
         return None  # the recipe fixes it
     if recipe.cluster is None:
@@ -37,7 +38,8 @@ def setup_from_recipe(recipe, world_size: int | None = None) -> Setup:
     ac = recipe.activation_checkpointing
     zero = recipe.zero
     return Setup(
-        tp=layout.tensor, pp=layout.pipeline, dp=layout.data, zero_stage=zero.stage,
+        tp=layout.tensor, pp=layout.pipeline, dp=layout.data, cp=layout.context,
+        cp_method=recipe.context_parallel.method, zero_stage=zero.stage,
         micro_batch=layout.micro_batch, micro_batches=layout.grad_accum,
         recompute=ac.mode, checkpoint_interval=ac.every if ac.mode == "full" else 1,
         sequence_parallel=recipe.tensor_parallel.sequence_parallel and layout.tensor > 1,

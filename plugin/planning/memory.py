@@ -61,13 +61,16 @@ def host_model_states(spec: ModelSpec, setup: Setup, stage: int = 0) -> ModelSta
 
 def _all_model_states(spec: ModelSpec, setup: Setup, stage: int) -> ModelStates:
     p, g, k = setup.state_bytes()
-    return model_state_terms(spec.stage_params(stage, setup.pp, setup.tp), dp=setup.dp,
+    return model_state_terms(spec.stage_params(stage, setup.pp, setup.tp), dp=setup.replicas,
                              zero_stage=setup.zero_stage, param_bytes=p, grad_bytes=g, optimizer_bytes=k)
 
 
 def stage_memory(spec: ModelSpec, setup: Setup, stage: int) -> Breakdown:
     """Peak accelerator bytes of one rank on pipeline stage ``stage``, term by term."""
-    s, b, h, t = spec.seq_len, setup.micro_batch, spec.hidden, setup.tp
+    # A context rank holds seq_len / cp tokens of every row: every activation term is linear in them. Ring attention
+    # stores no score matrix (its backward recomputes each block from the log-sum-exp), so its core is counted as
+    # fused; Ulysses runs the whole sequence on heads / cp: a*C heads over s/C tokens give its a s^2 / C core.
+    s, b, h, t = spec.seq_len // setup.cp, setup.micro_batch, spec.hidden, setup.tp
     sp = setup.sequence_parallel
     w = setup.bytes_per_value / 2
     rep = t if sp else 1
@@ -78,7 +81,7 @@ def stage_memory(spec: ModelSpec, setup: Setup, stage: int) -> Breakdown:
         ("optimizer_states", states.optimizer_states),
     ]
     p_bytes, g_bytes, _ = setup.state_bytes()
-    if setup.zero_stage == 3 and setup.dp > 1:
+    if setup.zero_stage == 3 and setup.replicas > 1:
         # ZeRO-3 gathers each module whole (over dp) before use: the largest one's parameters and
         # gradients, DeepSpeed's own estimate (4 x largest_layer_params at 16 bits).
         terms.append(("zero3_gathered_module", (p_bytes + g_bytes) * spec.largest_layer_params() / t))
@@ -86,11 +89,14 @@ def stage_memory(spec: ModelSpec, setup: Setup, stage: int) -> Breakdown:
     layers = spec.layers_on_stage(stage, setup.pp)
     in_flight = micro_batches_in_flight(stage, setup.pp, setup.micro_batches, setup.schedule, setup.virtual_stages)
 
+    ulysses = setup.cp if setup.cp > 1 and setup.cp_method == "all_to_all" else 1
+    fused = setup.fused_attention or (setup.cp > 1 and setup.cp_method == "ring")
+
     def per_layer(mode: str) -> float:
-        return activation_bytes_per_layer(s, b, h, spec.heads, tp=t, sequence_parallel=sp, recompute=mode,
-                                          kv_heads=spec.kv, ffn_hidden=spec.ffn, mlp=spec.mlp,
+        return activation_bytes_per_layer(s, b, h, spec.heads * ulysses, tp=t, sequence_parallel=sp, recompute=mode,
+                                          kv_heads=spec.kv * ulysses, ffn_hidden=spec.ffn, mlp=spec.mlp,
                                           bytes_per_value=setup.bytes_per_value,
-                                          fused_attention=setup.fused_attention, dropout=setup.dropout,
+                                          fused_attention=fused, dropout=setup.dropout,
                                           fused_swiglu=setup.fused_swiglu)
 
     if setup.recompute == "full":
@@ -101,6 +107,13 @@ def stage_memory(spec: ModelSpec, setup: Setup, stage: int) -> Breakdown:
         terms.append(("recompute_working_set", k * per_layer("none") if layers else 0.0))
     else:
         terms.append(("activations", in_flight * layers * per_layer(setup.recompute)))
+    if setup.cp > 1 and setup.recompute == "none":
+        # What the context attention keeps beyond the block's count (bench/context_parallel.py measures it): its
+        # output, which the projection's input is a copy of (the ring's is laid out by head; Ulysses's SDPA output
+        # sits before the all-to-all back, and the all-to-all's result is copied again), and the fp32 log-sum-exp.
+        copies = 1 if setup.cp_method == "ring" else 2
+        kept = copies * 2 * w * s * b * h / t + 4 * spec.heads * s * b / t
+        terms.append(("context_attention_outputs", in_flight * layers * kept))
 
     if stage == 0:
         # Korthikanti et al. 4.3: the embedding's dropout mask (sbh, 1 byte) per micro-batch in flight,

@@ -14,6 +14,8 @@ class Setup:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1  # context parallelism: the sequence split over cp ranks (gradients reduced over dp x cp)
+    cp_method: str = "ring"  # "ring" (K/V point-to-point) or "all_to_all" (Ulysses)
     zero_stage: int = 0
     micro_batch: int = 1
     micro_batches: int = 1  # per optimizer step on each data-parallel rank (grad_accum)
@@ -33,7 +35,12 @@ class Setup:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters, over which ZeRO shards and gradients are reduced: data x context."""
+        return self.dp * self.cp
 
     @property
     def global_batch(self) -> int:
@@ -47,8 +54,10 @@ class Setup:
         return state_bytes_per_param(self.precision, self.optimizer, self.momentum, self.zero_stage)
 
     def label(self) -> str:
-        """``tp2 pp1 dp4 zero1 mb4x8 sp full``: a layout in one short line."""
+        """``tp2 pp1 dp4 zero1 mb4x8 cp2 ring sp full``: a layout in one short line."""
         out = f"tp{self.tp} pp{self.pp} dp{self.dp} zero{self.zero_stage} mb{self.micro_batch}x{self.micro_batches}"
+        if self.cp > 1:
+            out += f" cp{self.cp} {self.cp_method}"
         if self.sequence_parallel:
             out += " sp"
         if self.recompute != "none":

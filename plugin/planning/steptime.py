@@ -8,6 +8,10 @@ The model, term by term (all per optimizer step, on the slowest pipeline stage):
   (Narayanan et al. 2021, Appendix, eq. 3). Tensor parallelism divides a rank's share by t.
 - recompute: full recompute runs each block's forward again (x 8/6 on the blocks); selective recompute
   only the attention core, 4bs^2h per block (Korthikanti et al. 2022, Section 5).
+- context communication (a context axis): the attention's K/V ring or all-to-alls of
+  :func:`plugin.planning.traffic.communication_per_rank`; the ring's hidden under the attention core's compute
+  (forward and backward), the all-to-alls on the critical path. Compute, recompute and the data-parallel terms
+  divide by the context degree as by the data degree (each context rank computes s/cp tokens).
 - tensor communication: the all-reduces of :func:`plugin.planning.traffic.communication_per_rank`, on the
   critical path (Megatron does not overlap them), over NVLink when the tensor group is inside a node.
 - pipeline bubble: (p-1)/m (or /v interleaved) of the pipelined time (Narayanan et al. 2021, 2.2), and
@@ -33,7 +37,7 @@ The model, term by term (all per optimizer step, on the slowest pipeline stage):
 
 A collective costs ``latency`` per call plus its bytes over the link bandwidth of its group: NVLink when
 the whole group is inside one node, else the per-GPU InfiniBand share. Rank order is the plugin's (tensor
-fastest, then data, then pipeline), so placement follows from the degrees and ``gpus_per_node``.
+fastest, then context, then data, then pipeline), so placement follows from the degrees and ``gpus_per_node``.
 """
 from __future__ import annotations
 
@@ -88,19 +92,22 @@ def _blocks_inside(block: int, count: int, gpus_per_node: int) -> bool:
 
 
 def group_inside_node(axis: str, setup: Setup, gpus_per_node: int) -> bool:
-    """Whether every ``axis`` ("tensor", "data", "pipeline") group lies inside one node.
+    """Whether every ``axis`` ("tensor", "context", "data", "pipeline") group lies inside one node.
 
-    Rank = (pp_rank x dp + dp_rank) x tp + tp_rank (:mod:`plugin.distributed.topology`): a tensor group is a block of
-    tp consecutive ranks, the data groups of one pipeline stage interleave in a block of tp x dp, and
-    pipeline neighbours are tp x dp apart, so they share a node only when the whole world does.
+    Rank = ((pp_rank x dp + dp_rank) x cp + cp_rank) x tp + tp_rank (:mod:`plugin.distributed.topology`): a tensor
+    group is a block of tp consecutive ranks, the context groups interleave in a block of tp x cp, the data groups
+    of one pipeline stage (data x context with a context axis, the gradients' group) in a block of tp x cp x dp, and
+    pipeline neighbours are tp x cp x dp apart, so they share a node only when the whole world does.
     """
-    t, d, p = setup.tp, setup.dp, setup.pp
+    t, c, d, p = setup.tp, setup.cp, setup.dp, setup.pp
     if axis == "tensor":
-        return _blocks_inside(t, d * p, gpus_per_node)
+        return _blocks_inside(t, c * d * p, gpus_per_node)
+    if axis == "context":
+        return c == 1 or _blocks_inside(t * c, d * p, gpus_per_node)
     if axis == "data":
-        return d == 1 or _blocks_inside(t * d, p, gpus_per_node)
+        return d * c == 1 or _blocks_inside(t * c * d, p, gpus_per_node)
     if axis == "pipeline":
-        return p == 1 or t * d * p <= gpus_per_node
+        return p == 1 or t * c * d * p <= gpus_per_node
     raise ValueError(f"unknown axis {axis!r}")
 
 
@@ -137,7 +144,8 @@ class StepTime:
 
 
 def forward_flops(spec: ModelSpec, setup: Setup, stage: int) -> tuple[float, float]:
-    """(matmul, attention-core) forward FLOPs of one micro-batch on one rank of ``stage``."""
+    """(matmul, attention-core) forward FLOPs of one micro-batch on one rank of ``stage``: a context rank computes
+    1/cp of both (its s/cp tokens; the balanced chunks give it 1/cp of the causal core)."""
     s, b = spec.seq_len, setup.micro_batch
     tokens = s * b
     layers = spec.layers_on_stage(stage, setup.pp)
@@ -145,7 +153,7 @@ def forward_flops(spec: ModelSpec, setup: Setup, stage: int) -> tuple[float, flo
     if stage == setup.pp - 1:
         matmul += 2 * tokens * spec.hidden * spec.vocab
     core = layers * 4 * b * s * s * spec.hidden
-    return matmul / setup.tp, core / setup.tp
+    return matmul / (setup.tp * setup.cp), core / (setup.tp * setup.cp)
 
 
 def model_flops_per_step(spec: ModelSpec, setup: Setup) -> float:
@@ -173,7 +181,7 @@ def _stage_time(spec: ModelSpec, setup: Setup, hw: Hardware, gpus_per_node: int,
     fwd = (matmul + core) / rate
     if setup.recompute == "full":
         layers_share = (2 * spec.seq_len * setup.micro_batch * spec.layers_on_stage(stage, setup.pp)
-                        * spec.layer_matmul_params() / setup.tp + core)
+                        * spec.layer_matmul_params() / (setup.tp * setup.cp) + core)
         extra = layers_share / rate
     elif setup.recompute == "selective" and not setup.fused_attention:
         extra = core / rate  # (a fused attention kernel recomputes its core in backward anyway)
@@ -182,7 +190,13 @@ def _stage_time(spec: ModelSpec, setup: Setup, hw: Hardware, gpus_per_node: int,
     comm = _comm_seconds(communication_per_rank(spec, setup, stage), setup, hw, gpus_per_node)
     m = setup.micro_batches
     tensor = sum(v for k, v in comm.items() if k.startswith("tensor_parallel")) / m
-    return {"forward": fwd, "backward": 2 * fwd, "recompute": extra, "tensor": tensor, "comm": comm}
+    # Ring attention sends each block while it computes the one it holds: only what the core's compute (forward,
+    # backward) does not cover is exposed; Ulysses's all-to-alls sit on the critical path.
+    context = sum(v for k, v in comm.items() if k.startswith("context_")) / m
+    if setup.cp_method == "ring":
+        context = max(0.0, context - 3 * core / rate)
+    return {"forward": fwd, "backward": 2 * fwd, "recompute": extra, "tensor": tensor, "context": context,
+            "comm": comm}
 
 
 def step_time(spec: ModelSpec, setup: Setup, hw: Hardware = HARDWARE["h100"], gpus_per_node: int = 8) -> StepTime:
@@ -193,7 +207,7 @@ def step_time(spec: ModelSpec, setup: Setup, hw: Hardware = HARDWARE["h100"], gp
 
     def slot(st: int) -> float:
         x = times[st]
-        return x["forward"] + x["backward"] + x["recompute"] + x["tensor"]
+        return x["forward"] + x["backward"] + x["recompute"] + x["tensor"] + x["context"]
 
     worst = max(stages, key=slot)
     x = times[worst]
@@ -205,6 +219,8 @@ def step_time(spec: ModelSpec, setup: Setup, hw: Hardware = HARDWARE["h100"], gp
         ("tensor_communication", m * x["tensor"]),
         ("pipeline_bubble", bubble * m * per_mb),
     ]
+    if setup.cp > 1:
+        terms.insert(3, ("context_communication", m * x["context"]))
     comm = x["comm"]
     if p > 1:
         hops = comm.get("pipeline_send_activations", 0.0) or comm.get("pipeline_send_gradients", 0.0)
@@ -223,13 +239,13 @@ def step_time(spec: ModelSpec, setup: Setup, hw: Hardware = HARDWARE["h100"], gp
 def _module_seconds(spec: ModelSpec, setup: Setup, hw: Hardware, gpus_per_node: int) -> float:
     """One all-gather (or reduce-scatter) of the largest module over the data group: the part of each
     ZeRO-3 pass that no prefetch or bucketing can hide (the first gather, the last bucket)."""
-    if setup.dp == 1:
+    if setup.replicas == 1:
         return 0.0
     inside = group_inside_node("data", setup, gpus_per_node)
     bw = hw.intra_node_bw if inside else hw.inter_node_bw
     latency = hw.intra_node_latency if inside else hw.inter_node_latency
     value_bytes = setup.state_bytes()[0]
-    return (setup.dp - 1) / setup.dp * spec.largest_layer_params() / setup.tp * value_bytes / bw + latency
+    return (setup.replicas - 1) / setup.replicas * spec.largest_layer_params() / setup.tp * value_bytes / bw + latency
 
 
 def _exposed_data_comm(setup: Setup, comm: dict[str, float], x: dict, module: float) -> float:
@@ -248,5 +264,5 @@ def _exposed_data_comm(setup: Setup, comm: dict[str, float], x: dict, module: fl
 
 
 def _optimizer_seconds(spec: ModelSpec, setup: Setup, hw: Hardware) -> float:
-    params = spec.stage_params(0, setup.pp, setup.tp) / (setup.dp if setup.zero_stage >= 1 else 1)
+    params = spec.stage_params(0, setup.pp, setup.tp) / (setup.replicas if setup.zero_stage >= 1 else 1)
     return params * 28 / hw.hbm_bw

@@ -23,7 +23,7 @@ class CommTerm:
     """Bytes one rank sends per optimizer step for one purpose, over one group."""
 
     name: str
-    group: str  # "tensor", "data" or "pipeline"
+    group: str  # "tensor", "data" (data x context with a context axis), "pipeline" or "context"
     bytes: float
     calls: int  # collective or send operations, for the latency term of a time model
 
@@ -46,8 +46,14 @@ def communication_per_rank(spec: ModelSpec, setup: Setup, stage: int = 0) -> lis
       a ring of 2 sends the whole shard, Vh/t gradient values, from each of the two. In the gradients' dtype as
       DeepSpeed holds them (bf16 under bf16); the native back end keeps fp32 gradients under autocast and sends
       twice that. ``tests/dist/test_hf_layouts.py`` counts the bytes both back ends all-reduce at fp32: equal.
+    - context parallel: the data terms run over data x context (every rank holding the same parameters), and per
+      block and micro-batch the attention's own traffic (:mod:`plugin.context_parallel`), with n = s/C tokens
+      per rank and the block's kv width h g/a over t: ring attention sends its keys and values (2nbhg/(at)
+      values) C-1 times forward and C-1 times backward, plus the gradient accumulators of both, in fp32, C times;
+      Ulysses all-to-alls q, k, v and the output, forward and backward, each sending (C-1)/C of the rank's tensor.
+      Full recompute repeats the forward's.
     """
-    t, dp, m = setup.tp, setup.dp, setup.micro_batches
+    t, dp, m = setup.tp, setup.replicas, setup.micro_batches
     p_bytes, g_bytes, _ = setup.state_bytes()
     psi = spec.stage_params(stage, setup.pp, t)
     w = setup.bytes_per_value
@@ -77,6 +83,8 @@ def communication_per_rank(spec: ModelSpec, setup: Setup, stage: int = 0) -> lis
         # one all-reduce at each end, or under sequence parallelism a reduce-scatter and an all-gather (same bytes)
         out.append(CommTerm("tensor_parallel_embedding_and_output", "tensor",
                             m * ends * 2 * ring_factor(t) * sbh * w, m * ends * (2 if setup.sequence_parallel else 1)))
+    if setup.cp > 1:
+        out.append(_context_term(spec, setup, stage, w))
     if setup.pp > 1:
         msg = sbh * w / (t if setup.sequence_parallel else 1)
         if stage < setup.pp - 1:
@@ -88,3 +96,19 @@ def communication_per_rank(spec: ModelSpec, setup: Setup, stage: int = 0) -> lis
             out.append(CommTerm("tied_embedding_grad_allreduce", "pipeline",
                                 2 * ring_factor(2) * shard * g_bytes, 1))
     return out
+
+
+def _context_term(spec: ModelSpec, setup: Setup, stage: int, w: float) -> CommTerm:
+    """The context attention's bytes per step on one rank (see :func:`communication_per_rank`)."""
+    c, t, m = setup.cp, setup.tp, setup.micro_batches
+    layers = spec.layers_on_stage(stage, setup.pp)
+    forwards = 2 if setup.recompute == "full" else 1
+    n_b = spec.seq_len // c * setup.micro_batch
+    kv = 2 * n_b * spec.hidden * spec.kv / spec.heads / t  # keys and values of this rank, kv heads
+    if setup.cp_method == "ring":
+        per_block = (forwards + 1) * (c - 1) * kv * w + c * kv * 4
+        calls = (forwards + 1) * (c - 1) + c
+        return CommTerm("context_ring_kv", "context", m * layers * per_block, m * layers * calls)
+    q = n_b * spec.hidden / t  # queries and the output: all heads
+    per_block = (forwards + 1) * ring_factor(c) * (2 * q + kv) * w
+    return CommTerm("context_all_to_all", "context", m * layers * per_block, m * layers * 4 * (forwards + 1))

@@ -122,6 +122,42 @@ def check_tensor_parallel(recipe: Recipe, layout: Layout | None) -> Problems:
                       'set "tensor" > 1, or drop the plan', WARNING)
 
 
+def check_context_parallel(recipe: Recipe, layout: Layout | None) -> Problems:
+    """The sequence split: 2 x context chunks of equal length (chunk i and 2C-1-i on context rank i, the causal work
+    balanced), each also cut by tensor under sequence parallelism; Ulysses's head split needs whole heads per rank."""
+    m, par, method = recipe.model, recipe.parallelism, recipe.context_parallel.method
+    c, tp = par.context, par.tensor
+    if c == 1:
+        if method != "ring":
+            yield Problem("$.context_parallel.method", f'"{method}" with context 1 is ignored: nothing is split',
+                          'set "context" > 1 in $.parallelism, or drop the context_parallel block', WARNING)
+        return
+    if recipe.launcher == "deepspeed":
+        yield Problem("$.launcher", f"context {c} with \"launcher\": \"deepspeed\": the DeepSpeed back end does not "
+                      "train a context axis yet (the native back end does, by ring or all-to-all attention)",
+                      'set "launcher": "auto" or "torchrun" (the native back end), or "context": 1')
+    if m is None:
+        return
+    sp = recipe.tensor_parallel.sequence_parallel and tp > 1
+    step = 2 * c * (tp if sp else 1)
+    if m.seq_len % step:
+        why = (f"2 x context {c} chunks (context rank i holds chunks i and {2 * c - 1}-i), each cut over tensor {tp} "
+               "by sequence parallelism" if sp else f"2 x context {c} equal chunks (context rank i holds chunks i and "
+               f"{2 * c - 1}-i, so the causal work is balanced)")
+        good = [n for n in (m.seq_len - m.seq_len % step, m.seq_len - m.seq_len % step + step) if n > 0]
+        yield Problem("$.model.seq_len", f"seq_len {m.seq_len} is not divisible by {step}: the sequence is cut into "
+                      f"{why}", f"use a seq_len that is a multiple of {step} ({' or '.join(map(str, good))})")
+    if method == "all_to_all":
+        ranks = tp * c
+        kv = [("kv_heads", m.kv_heads)] if m.kv_heads not in (None, m.heads) else []  # else heads says it
+        for key, value in [("heads", m.heads), *kv]:
+            if value % ranks:
+                yield Problem(f"$.model.{key}", f"{key} {value} is not divisible by tensor {tp} x context {c} = "
+                              f'{ranks}: "all_to_all" gives each context rank whole heads of its tensor rank\'s share',
+                              f'use "method": "ring" (any head count), or {key} a multiple of {ranks}, or a context '
+                              f"size with tensor x context dividing {value}")
+
+
 def check_pipeline(recipe: Recipe, layout: Layout | None) -> Problems:
     pp_cfg, pp = recipe.pipeline_parallel, recipe.parallelism.pipeline
     if pp_cfg.schedule == "interleaved_1f1b":
@@ -251,9 +287,9 @@ def check_name(recipe: Recipe, layout: Layout | None) -> Problems:
                       f'rename the file to {recipe.name}.json, or set "name": "{stem}"', WARNING)
 
 
-RULES = (check_zero, check_batch_and_world, check_model_dims, check_tensor_parallel, check_pipeline,
-         check_activation_checkpointing, check_native_back_end, check_precision_and_optimizer, check_lr_schedule,
-         check_cluster, check_name, check_deepspeed_block)
+RULES = (check_zero, check_batch_and_world, check_model_dims, check_tensor_parallel, check_context_parallel,
+         check_pipeline, check_activation_checkpointing, check_native_back_end, check_precision_and_optimizer,
+         check_lr_schedule, check_cluster, check_name, check_deepspeed_block)
 
 
 def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]:

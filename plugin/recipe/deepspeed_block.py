@@ -3,11 +3,12 @@ contradicting them (:func:`check_deepspeed_block`, one of :mod:`plugin.recipe.ch
 
 The recipe owns the batch triple, ``gradient_clipping``, ``zero_optimization.stage`` and the offload
 devices, the pipeline's stages / partition / checkpoint interval, fp16 / bf16 ``enabled`` and the loss-scale
-keys, and the optimizer; with activation checkpointing in a pipeline, ``pipeline.use_reentrant`` (false); under
-sequence parallelism in a tensor x pipeline layout, ``pipeline.pipe_partitioned`` and ``grad_partitioned``
-(false: :func:`activations_split_over_tensor`). A raw key there may only repeat what the recipe says, *including its
-defaults* (``{"pipeline": {"stages": 4}}`` under a one-stage recipe is an error, not an override); every other raw key
-(``overlap_comm``, ``reduce_bucket_size``, a scheduler, ``torch_adam``...) is merged as given.
+keys, the optimizer and ``sequence_parallel_size`` (the context degree); with activation checkpointing in a
+pipeline, ``pipeline.use_reentrant`` (false); under sequence parallelism in a tensor x pipeline layout,
+``pipeline.pipe_partitioned`` and ``grad_partitioned`` (false: :func:`activations_split_over_tensor`). A raw key
+there may only repeat what the recipe says, *including its defaults* (``{"pipeline": {"stages": 4}}`` under a
+one-stage recipe is an error, not an override); every other raw key (``overlap_comm``, ``reduce_bucket_size``, a
+scheduler, ``torch_adam``...) is merged as given.
 
 The optimizer is compared by what DeepSpeed 0.19 builds from it (``runtime/engine.py``
 ``_configure_basic_optimizer``): ``"Adam"`` with ``adam_w_mode`` left at its default ``True`` is AdamW,
@@ -169,6 +170,7 @@ def owned_keys(recipe, layout) -> dict:
         tree["pipeline"]["use_reentrant"] = Owned(False, "$.activation_checkpointing")
     if recipe.optimizer.name == "sgd" and z.stage >= 1:
         tree["zero_allow_untested_optimizer"] = Owned(True, "$.optimizer.name")
+    tree["sequence_parallel_size"] = Owned(recipe.parallelism.context, "$.parallelism.context")
     return tree
 
 

@@ -20,15 +20,35 @@ class Layout:
     global_batch: int
     micro_batch: int
     grad_accum: int
+    context: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.data * self.tensor * self.pipeline
+        return self.data * self.tensor * self.pipeline * self.context
+
+    @property
+    def words(self) -> str:
+        """``data D x tensor T x pipeline P``, then `` x context C`` when C > 1: how every door names a layout."""
+        return layout_words(self.data, self.tensor, self.pipeline, self.context)
 
     @property
     def micro_batches(self) -> int:
         """Micro-batches per optimizer step on each data-parallel rank (the pipeline's in-flight count)."""
         return self.grad_accum
+
+
+def layout_words(data, tensor: int, pipeline: int, context: int = 1) -> str:
+    """``data 4 x tensor 2 x pipeline 1`` (`` x context 2`` after it when the context degree is above 1).
+
+    >>> layout_words(2, 2, 1, 2)
+    'data 2 x tensor 2 x pipeline 1 x context 2'
+    """
+    return f"data {data} x tensor {tensor} x pipeline {pipeline}" + (f" x context {context}" if context > 1 else "")
+
+
+def _model_words(par) -> str:
+    """``tensor T x pipeline P`` (`` x context C``): the axes whose product "auto" divides the world by."""
+    return f"tensor {par.tensor} x pipeline {par.pipeline}" + (f" x context {par.context}" if par.context > 1 else "")
 
 
 def processes(n: int) -> str:
@@ -42,9 +62,9 @@ def _fitting_worlds(world_size: int, model_ranks: int) -> str:
 
 
 def resolve_data(recipe, world_size: int | None) -> tuple[int | None, list[Problem]]:
-    """The data-parallel degree: the recipe's number, or world_size / (tensor x pipeline) for "auto"."""
+    """The data-parallel degree: the recipe's number, or world_size / (tensor x pipeline x context) for "auto"."""
     par = recipe.parallelism
-    model_ranks = par.tensor * par.pipeline
+    model_ranks = par.tensor * par.pipeline * par.context
     if par.data != "auto":
         return par.data, []
     if world_size is None:
@@ -52,10 +72,11 @@ def resolve_data(recipe, world_size: int | None) -> tuple[int | None, list[Probl
     if world_size % model_ranks:
         return None, [Problem(
             "$.parallelism.data",
-            f'"auto" cannot fill a world of {processes(world_size)}: tensor {par.tensor} x pipeline '
-            f"{par.pipeline} = {model_ranks} does not divide {world_size}",
-            f"launch {_fitting_worlds(world_size, model_ranks)} processes, or change tensor/pipeline so that "
-            f"their product divides {world_size}")]
+            f'"auto" cannot fill a world of {processes(world_size)}: {_model_words(par)} = {model_ranks} does not '
+            f"divide {world_size}",
+            f"launch {_fitting_worlds(world_size, model_ranks)} processes, or change "
+            f"{'tensor/pipeline/context' if par.context > 1 else 'tensor/pipeline'} so that their product divides "
+            f"{world_size}")]
     return world_size // model_ranks, []
 
 
@@ -131,7 +152,7 @@ def batch_problems_for_any_data(batch) -> list[Problem]:
 def _mismatch(recipe, data: int | None, world_size: int) -> Problem:
     """The recipe's own world differs from the launcher's: say both ways out, in numbers."""
     par = recipe.parallelism
-    model_ranks = par.tensor * par.pipeline
+    model_ranks = par.tensor * par.pipeline * par.context
     world = data * model_ranks
     fix = f"launch {processes(world)}"
     if world_size % model_ranks == 0:
@@ -141,10 +162,11 @@ def _mismatch(recipe, data: int | None, world_size: int) -> Problem:
         if triple is None and problems and problems[0].path == "$.batch.global":
             fix += f" and then {problems[0].hint}"
     else:
-        fix += (f"; {world_size} cannot be split into tensor {par.tensor} x pipeline {par.pipeline} groups "
+        axes = "tensor, pipeline and context" if par.context > 1 else "tensor and pipeline"
+        fix += (f"; {world_size} cannot be split into {_model_words(par)} groups "
                 f"({model_ranks} does not divide {world_size}): launch {_fitting_worlds(world_size, model_ranks)} "
-                f'with "data": "auto", or choose tensor and pipeline whose product divides {world_size}')
-    return Problem("$.parallelism", f"data {data} x tensor {par.tensor} x pipeline {par.pipeline} = "
+                f'with "data": "auto", or choose {axes} whose product divides {world_size}')
+    return Problem("$.parallelism", f"{layout_words(data, par.tensor, par.pipeline, par.context)} = "
                    f"{processes(world)}, but the launcher runs {world_size}", fix)
 
 
@@ -163,7 +185,7 @@ def resolve_layout(recipe, world_size: int | None = None) -> tuple[Layout | None
                                 "pass the world size (--world-size N on the command line; under a launcher, "
                                 "plugin.initialize takes it from WORLD_SIZE)")]
         return None, problems + batch_problems_for_any_data(recipe.batch)
-    world = data * par.tensor * par.pipeline
+    world = data * par.tensor * par.pipeline * par.context
     if world_size is not None and world_size != world:
         problems.append(_mismatch(recipe, data, world_size))
     triple, batch_problems = resolve_batch(recipe.batch, data)
@@ -171,4 +193,4 @@ def resolve_layout(recipe, world_size: int | None = None) -> tuple[Layout | None
         return None, problems + batch_problems
     g, m, a = triple
     return Layout(data=data, tensor=par.tensor, pipeline=par.pipeline, global_batch=g, micro_batch=m,
-                  grad_accum=a), problems
+                  grad_accum=a, context=par.context), problems

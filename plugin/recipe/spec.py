@@ -31,6 +31,7 @@ class Parallelism:
     data: int | str = "auto"
     tensor: int = 1
     pipeline: int = 1
+    context: int = 1
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,14 @@ class PipelineParallel:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     partition: str = "parameters"
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """How attention spans the sequence split over ``parallelism.context`` ranks (:mod:`plugin.context_parallel`):
+    ``"ring"`` passes keys and values around the context group, ``"all_to_all"`` (Ulysses) trades the sequence
+    split for a head split around a whole-sequence attention."""
+    method: str = "ring"
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,7 @@ class Recipe:
     zero: Zero = Zero()
     tensor_parallel: TensorParallel = TensorParallel()
     pipeline_parallel: PipelineParallel = PipelineParallel()
+    context_parallel: ContextParallel = ContextParallel()
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing()
     precision: str = "fp32"
     fp16: LossScale | None = None

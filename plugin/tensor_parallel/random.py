@@ -122,11 +122,12 @@ def sharded_region(rng: TensorParallelRNG | None, device=None):
 
 
 def tensor_parallel_rngs(module: torch.nn.Module) -> list[TensorParallelRNG]:
-    """The tensor-parallel dropout streams ``module``'s submodules hold (``.rng`` or ``.tp.rng``), each once, in a
-    stable order: what checkpoints save and activation checkpointing replays."""
+    """The tensor-parallel dropout streams ``module``'s submodules hold (``.rng``, ``.tp.rng`` or a context-parallel
+    attention's ``.cp.rng``), each once, in a stable order: what checkpoints save and activation checkpointing
+    replays."""
     found, seen = [], set()
     for m in module.modules():
-        for holder in (m, getattr(m, "tp", None)):
+        for holder in (m, getattr(m, "tp", None), getattr(m, "cp", None)):
             rng = getattr(holder, "rng", None)
             if isinstance(rng, TensorParallelRNG) and id(rng) not in seen:
                 seen.add(id(rng))

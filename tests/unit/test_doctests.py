@@ -6,7 +6,8 @@ import importlib
 import pytest
 
 MODULES = ["plugin.distributed.topology", "plugin.pipeline_parallel.stages", "plugin.planning.units",
-           "plugin.materialize.seeds", "plugin.recipe.elastic"]
+           "plugin.materialize.seeds", "plugin.recipe.elastic", "plugin.recipe.layout",
+           "plugin.context_parallel.chunks"]
 
 
 @pytest.mark.parametrize("name", MODULES)

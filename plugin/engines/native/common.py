@@ -46,14 +46,14 @@ def ids_of(module: torch.nn.Module, names: set[str]) -> set[int]:
 
 
 def native_optimizer(module, recipe, groups, zero1: bool):
-    """The recipe's torch optimizer, or ZeroRedundancyOptimizer over the data group for ZeRO-1."""
+    """The recipe's torch optimizer, or ZeroRedundancyOptimizer over the data (x context) group for ZeRO-1."""
     if not zero1:
         return build_optimizer(module.parameters(), recipe.optimizer)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     cls, kwargs = optimizer_class_and_kwargs(recipe.optimizer)
     return ZeroRedundancyOptimizer(param_groups(module.parameters(), recipe.optimizer.weight_decay),
-                                   optimizer_class=cls, process_group=groups.data_group,
+                                   optimizer_class=cls, process_group=groups.data_context_group,
                                    parameters_as_bucket_view=True, **kwargs)  # one broadcast per rank, not per tensor
 
 
@@ -83,10 +83,11 @@ def build_scaler(recipe, device: torch.device):
 
 
 def wrap_ddp(module: torch.nn.Module, groups, device: torch.device):
-    """``module`` in DistributedDataParallel over the data group: every native engine's one DDP wrap."""
+    """``module`` in DistributedDataParallel over the data group (data x context with a context axis: every rank
+    holding the same parameters averages its gradients): every native engine's one DDP wrap."""
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(module, process_group=groups.data_group,
+    return DistributedDataParallel(module, process_group=groups.data_context_group,
                                    device_ids=[device] if device.type == "cuda" else None,
                                    gradient_as_bucket_view=True)  # gradients are views into DDP's buckets: no copy
 
@@ -134,7 +135,7 @@ class NativeEngine(Engine):
             params, float(self.recipe.gradient_clipping), tensor_sharded=self.tensor_sharded,
             tp_rank=self.groups.tp_rank, model_group=self.groups.model_group,
             model_size=self.groups.model_size,
-            data_group=self.groups.data_group if self.layout.data > 1 else None,
+            data_group=self.groups.data_context_group if self.groups.data_context_size > 1 else None,
             data_sharded=self.data_sharded, device=self.device, skip=self.norm_skip)
         self.last_grad_norm = float(norm)
         if self.scaler is not None:

@@ -23,6 +23,11 @@ tensors, one slice per tensor rank), so FSDP2 shards those slices further over t
 (:mod:`plugin.distributed.clipping`) and averages the loss as the DeepSpeed back end does: mean over micro-batches, then
 over data ranks, the same float on every rank (with the default token-weighted loss, the mean over the global
 batch's target tokens: :class:`plugin.tensor_parallel.hooks.TokenLoss`).
+
+With a context axis (``parallelism.context`` > 1) "the data group" above is data x context, the ranks holding the same
+parameters (Megatron's data-parallel group with context parallelism): DDP averages, ZeroRedundancyOptimizer and FSDP2
+shard over it, and each context rank's loss is its chunks' share (:attr:`plugin.engines.base.Engine.loss_replicas`);
+the model's attention spans the split sequence (:func:`plugin.context_parallel.apply.apply_context_parallel`).
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from collections.abc import Callable
 
 import torch
 
+from ...context_parallel.apply import apply_context_parallel
 from ...materialize.sinks import FSDP2Sink
 from ..context import BuildContext
 from .common import NativeEngine, build_scaler, ids_of, native_optimizer, tensor_sharded_names, wrap_ddp
@@ -88,7 +94,9 @@ def build_data_parallel(ctx: BuildContext, groups) -> DataParallelEngine:
     ZeRO-1) or FSDP2 (ZeRO-2/3) over the data group."""
     recipe, layout, device = ctx.recipe, ctx.layout, ctx.device
     module = ctx.apply_tp(ctx.model, groups.tensor_group) if layout.tensor > 1 else ctx.model
+    apply_context_parallel(module, groups, recipe.context_parallel.method)
     stage = recipe.zero.stage
+    replicas = groups.data_context_size  # ranks holding the same parameters: data x context
     if not ctx.on_meta:
         module.to(device)
     elif stage < 2:  # whole parameters on every rank: each unit made and swapped in, one at a time
@@ -101,11 +109,11 @@ def build_data_parallel(ctx: BuildContext, groups) -> DataParallelEngine:
             z = recipe.zero
             at = torch.device("cpu") if "cpu" in (z.offload_optimizer, z.offload_param) else device
             ctx.materialize(sink=FSDP2Sink(module, at))
-    elif layout.data > 1:
+    elif replicas > 1:
         wrapped = wrap_ddp(module, groups, device)
     else:
         wrapped = module
-    optimizer = native_optimizer(module, recipe, groups, zero1=stage == 1 and layout.data > 1)
+    optimizer = native_optimizer(module, recipe, groups, zero1=stage == 1 and replicas > 1)
     return DataParallelEngine(recipe, layout, ctx.topology, groups, module, device, container=module,
                               optimizer=optimizer, scaler=build_scaler(recipe, device),
                               tensor_sharded=ids_of(module, sharded_names), wrapped=wrapped,

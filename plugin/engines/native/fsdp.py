@@ -50,7 +50,7 @@ def shard_fsdp2(model, recipe, groups, device, layers_of: Callable):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = DeviceMesh.from_group(groups.data_group, device.type, mesh_dim_names=("data",))
+    mesh = DeviceMesh.from_group(groups.data_context_group, device.type, mesh_dim_names=("data",))  # x context
     z = recipe.zero
     # Pinned host memory only speeds up copies to and from a CUDA device; on CPU it would be locked for nothing.
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") \

@@ -17,6 +17,7 @@ over the data group.
   torch's non-reentrant checkpoint, as DeepSpeed's PipelineModule checkpoints layer ranges, the recompute
   replaying the tensor-parallel dropout streams: :func:`plugin.engines.recompute.run_layers`, the loop a whole
   model runs at pipeline 1 too. ``"selective"`` is set in the model's attention (:mod:`plugin.engines.recompute`).
+* A context axis: "the data group" is data x context here too (:mod:`.data_parallel`), stage by stage.
 * The loss: the last stage's micro-batch mean, averaged over its data group, broadcast over the pipeline
   group, the same float on every rank (DeepSpeed's ``train_batch`` semantics).
 
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...context_parallel.apply import apply_context_parallel
 from ...pipeline_parallel.stages import stages_of_rank
 from ...tensor_parallel.random import tensor_parallel_rngs
 from ..context import BuildContext
@@ -105,9 +107,9 @@ class PipelineEngine(NativeEngine):
             loss = torch.stack([m.detach().float() for m in losses]).mean() / scale
         else:
             loss = torch.zeros((), device=self.device)
-        if self.holds_last and self.layout.data > 1:
-            dist.all_reduce(loss, group=self.groups.data_group)
-            loss /= self.layout.data
+        if self.holds_last and self.groups.data_context_size > 1:
+            dist.all_reduce(loss, group=self.groups.data_context_group)
+            loss /= self.loss_replicas
         last = self.groups.pipeline_ranks[-1]
         loss = loss.reshape(1).to(self.device)
         dist.broadcast(loss, src=last, group=self.groups.pipeline_group)
@@ -135,6 +137,7 @@ def build_pipeline(ctx: BuildContext, groups, bounds: list[int], ties=()) -> Pip
     num_stages = layout.pipeline * virtual
     if layout.tensor > 1:
         ctx.apply_tp(ctx.model, groups.tensor_group, pp_rank=groups.pp_rank)
+    apply_context_parallel(ctx.model, groups, recipe.context_parallel.method)
     layers = ctx.layers_of(ctx.model)  # the same objects, now sharded
     mine = stages_of_rank(groups.pp_rank, layout.pipeline, virtual)
     modules = {s: StageModule({i: layers[i] for i in range(bounds[s], bounds[s + 1])},
@@ -147,11 +150,12 @@ def build_pipeline(ctx: BuildContext, groups, bounds: list[int], ties=()) -> Pip
                             layout.pipeline)
     tied.broadcast_values()
     sharded_names = tensor_sharded_names(container)
-    zero1 = recipe.zero.stage == 1 and layout.data > 1
+    replicas = groups.data_context_size  # ranks holding the same stage: data x context
+    zero1 = recipe.zero.stage == 1 and replicas > 1
     optimizer = native_optimizer(container, recipe, groups, zero1=zero1)
     stages = []
     for s, module in modules.items():
-        if layout.data > 1:
+        if replicas > 1:
             module = wrap_ddp(module, groups, device)
             # The stage all-reduces at its last backward by preparing DDP's reducer itself. Any other forward
             # with gradients on (the schedule's shape inference on its first step) must not arm the reducer,

@@ -44,7 +44,7 @@ class TiedCopies:
             if groups.pp_rank not in ranks or not mine:
                 continue
             i, name = mine[0]
-            src = groups.topology.rank(pp=ranks[0], dp=groups.dp_rank, tp=groups.tp_rank)
+            src = groups.topology.rank(pp=ranks[0], dp=groups.dp_rank, tp=groups.tp_rank, cp=groups.cp_rank)
             copies.append((layers[i].get_parameter(name), made[ranks], src, groups.pp_rank == ranks[0]))
         return cls(copies)
 

@@ -73,7 +73,7 @@ def test_from_recipe():
     from plugin.recipe.checks import load_recipe
 
     t = Topology.from_recipe(load_recipe("tp2_auto"), world_size=8)
-    assert (t.pp_size, t.dp_size, t.tp_size) == (1, 4, 2)
+    assert (t.pp_size, t.dp_size, t.tp_size, t.cp_size) == (1, 4, 2, 1)
 
 
 @pytest.mark.parametrize("pp,dp,tp", [(2, 2, 2), (1, 4, 2), (4, 2, 1), (2, 3, 4), (8, 16, 8), (4, 64, 8),
@@ -85,7 +85,43 @@ def test_equals_deepspeed_pipe_model_data_parallel_topology(pp, dp, tp):
     assert theirs.world_size() == ours.world_size
     for rank in range(ours.world_size):
         c = theirs.get_coord(rank)
-        assert (c.pipe, c.data, c.model) == tuple(ours.coord(rank))
+        assert Coord(c.pipe, c.data, c.model) == ours.coord(rank)
     assert sorted(theirs.get_axis_comm_lists("model")) == sorted(ours.tensor_groups())
     assert sorted(theirs.get_axis_comm_lists("data")) == sorted(ours.data_groups())
     assert sorted(theirs.get_axis_comm_lists("pipe")) == sorted(ours.pipeline_groups())
+
+
+CP_SHAPES = [(1, 1, 1, 2), (1, 2, 1, 4), (2, 2, 2, 2), (1, 3, 4, 2), (4, 8, 8, 4), (2, 16, 8, 8)]
+
+
+@pytest.mark.parametrize("pp,dp,tp,cp", CP_SHAPES)
+def test_context_axis_sits_between_tensor_and_data(pp, dp, tp, cp):
+    """Megatron's order tp-cp-dp-pp: rank = ((pp x D + dp) x C + cp) x T + tp; every group partitions the world and
+    varies along its own axes only; without a context axis nothing moves."""
+    t = Topology(pp, dp, tp, cp)
+    assert t.world_size == pp * dp * tp * cp
+    for rank in range(t.world_size):
+        c = t.coord(rank)
+        assert rank == ((c.pp * dp + c.dp) * cp + c.cp) * tp + c.tp
+        assert t.rank(*c) == rank
+    for lists, size, axes in ((t.context_groups(), cp, {"cp"}), (t.data_groups(), dp, {"dp"}),
+                              (t.data_context_groups(), dp * cp, {"dp", "cp"}),
+                              (t.model_groups(), pp * tp, {"pp", "tp"}),
+                              (t.replica_groups(), pp * cp * tp, {"pp", "cp", "tp"}), (t.tensor_groups(), tp, {"tp"})):
+        assert all(len(g) == size for g in lists)
+        assert sorted(itertools.chain.from_iterable(lists)) == list(range(t.world_size))
+        fixed = [f for f in Coord._fields if f not in axes]
+        for g in lists:
+            assert len({tuple(getattr(t.coord(r), f) for f in fixed) for r in g}) == 1
+    flat = Topology(pp, dp * cp, tp)  # data x context as one axis is the three-axis grid's data axis
+    assert t.data_context_groups() == flat.data_groups()
+
+
+@pytest.mark.parametrize("pp,dp,tp,cp", CP_SHAPES)
+def test_context_order_equals_megatron_rank_generator(pp, dp, tp, cp):
+    ps = pytest.importorskip("megatron.core.parallel_state")
+    gen = ps.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    t = Topology(pp, dp, tp, cp)
+    for theirs, ours in (("tp", t.tensor_groups()), ("cp", t.context_groups()), ("dp", t.data_groups()),
+                         ("dp-cp", t.data_context_groups()), ("pp", t.pipeline_groups()), ("tp-pp", t.model_groups())):
+        assert sorted(gen.get_ranks(theirs)) == sorted(ours), theirs

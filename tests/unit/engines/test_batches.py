@@ -98,7 +98,8 @@ def test_engine_refuses_a_batch_without_targets():
     class Probe(Engine):
         train_step = eval_step = save = load = None
 
-    engine = Probe(None, SimpleNamespace(data=1, grad_accum=1), None, None, torch.nn.Identity(), torch.device("cpu"))
+    layout = SimpleNamespace(data=1, grad_accum=1, context=1)
+    engine = Probe(None, layout, None, None, torch.nn.Identity(), torch.device("cpu"))
     engine.loss_fn = TokenLoss(None, split_logits=False)
     labels = torch.full((2, 4), -100)
     labels[:, 0] = 3  # only first labels, which the shift drops
@@ -131,7 +132,8 @@ def test_first_train_step_refuses_labels_of_the_other_convention():
     class Probe(Engine):
         train_step = eval_step = save = load = None
 
-    engine = Probe(None, SimpleNamespace(data=1, grad_accum=1), None, None, torch.nn.Identity(), torch.device("cpu"))
+    layout = SimpleNamespace(data=1, grad_accum=1, context=1)
+    engine = Probe(None, layout, None, None, torch.nn.Identity(), torch.device("cpu"))
     engine.loss_fn = TokenLoss(None, split_logits=False)
     x = torch.arange(12).reshape(2, 6)
     with pytest.raises(PluginError, match="would learn to copy its input"):

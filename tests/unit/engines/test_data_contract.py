@@ -208,7 +208,7 @@ def test_the_fast_verdict_agrees_with_the_message_on_every_kind_of_case():
     cases = {
         "agree": lambda r: good[topo.coord(r).dp],
         "one tensor rank": lambda r: (x.flip(0), y) if r == topo.rank(1, 2, 1) else good[topo.coord(r).dp],
-        "one stage's labels": lambda r: (good[0][0], y.flip(0)) if topo.coord(r) == (1, 0, 0) else
+        "one stage's labels": lambda r: (good[0][0], y.flip(0)) if topo.coord(r) == (1, 0, 0, 0) else
         good[topo.coord(r).dp],
         "per process": lambda r: _tokens(seed=r),
     }
