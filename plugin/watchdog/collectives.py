@@ -5,8 +5,9 @@ timeouts, and the abort.
 * :func:`groups_of_this_rank`: ``{name: (process group, ranks)}`` from torch's registry of groups; torch's group
   names (``"0"`` the default group, then a counter) are the same on every rank, since every rank creates every group
   in the same order.
-* :func:`sequence_numbers`: the per-group counter torch increments as a collective is entered (the flight recorder's
-  ``collective_seq_id``), read by the heartbeat thread: the main thread pays nothing for it.
+* :func:`sequence_numbers`: the per-group counter torch increments as an op is entered (gloo: every op, the flight
+  recorder's ``op_id``; NCCL: collectives, its ``collective_seq_id``), read by the heartbeat thread: the main thread
+  pays nothing for it.
 * :func:`flight_record`, :func:`pending`, :func:`latest`: the collectives and point-to-point ops this rank entered,
   from torch's flight recorder (``_dump_fr_trace_json``: on gloo an entry's ``retired`` turns true once its work
   completed, or failed: a collective gloo timed out is retired too, so :func:`latest` keeps what it was; on NCCL its
@@ -59,9 +60,11 @@ def flight_record(only_active: bool = True) -> list[dict]:
     out = []
     for e in json.loads(raw).get("entries", []):
         p2p = bool(e.get("is_p2p"))
-        out.append({"group": str((e.get("process_group") or ["?"])[0]),
-                    "seq": int(e.get("p2p_seq_id" if p2p else "collective_seq_id", 0)),
-                    "op": str(e.get("profiling_name", "?")).split(":")[-1], "p2p": p2p,
+        backend, _, op = str(e.get("profiling_name", "?:?")).rpartition(":")
+        # in the units of sequence_numbers: gloo's counter counts every op (the entry's op_id; gloo records no p2p
+        # ops), NCCL's only collectives (collective_seq_id)
+        seq = e.get("p2p_seq_id") if p2p else e.get("op_id") if backend == "gloo" else e.get("collective_seq_id")
+        out.append({"group": str((e.get("process_group") or ["?"])[0]), "seq": int(seq or 0), "op": op, "p2p": p2p,
                     "age_s": round((now - int(e.get("time_created_ns", now))) / 1e9, 3),
                     "done": bool(e.get("retired")) or e.get("state") == "completed"})
     return out

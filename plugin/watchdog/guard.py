@@ -76,6 +76,7 @@ class Guard:
         self._lock = threading.Lock()
         self._stalling = False
         self._previous_hook = None
+        self._waits = None  # (ledger version, wall time, pending ops) as _look_at_waits last saw them
         self._traceback = ""
 
     # ------------------------------------------------------------------ lifecycle
@@ -159,13 +160,25 @@ class Guard:
                 seen, since = count, now
             elif now - since >= self.timeout_s:
                 return self.stall(f"rank {self.rank} heard no heartbeat from rank {successor} for {now - since:.0f} s")
-            if self.backend == "nccl":  # NCCL's watchdog would end the process at its own (later) timeout
-                from .collectives import flight_record, pending
+            if self.backend == "nccl" or now - self.ledger.since >= self.timeout_s / 2:
+                self._look_at_waits()
 
-                late = [p for p in pending(flight_record()) if p["age_s"] >= self.timeout_s]
-                if late:
-                    return self.stall(f"rank {self.rank} waited {late[0]['age_s']:.0f} s in {late[0]['op']} on group "
-                                      f"{late[0]['group']}")
+    def _look_at_waits(self) -> None:
+        """The flight recorder's pending ops, read while the main thread has been in one phase for half the timeout
+        (once per phase: gloo retires a collective when it gives up, so at the timeout they are gone), and on NCCL at
+        every beat: a collective pending ``timeout_s`` stops the job before NCCL's own watchdog (a later timeout)
+        ends the process without a report."""
+        from .collectives import flight_record, pending
+
+        version = self.ledger.version
+        if self.backend != "nccl" and self._waits is not None and self._waits[0] == version:
+            return
+        waits = pending(flight_record())
+        self._waits = (version, time.time(), waits)
+        late = [p for p in waits if p["age_s"] >= self.timeout_s] if self.backend == "nccl" else []
+        if late:
+            self.stall(f"rank {self.rank} waited {late[0]['age_s']:.0f} s in {late[0]['op']} on group "
+                       f"{late[0]['group']}")
 
     def _excepthook(self, exc_type, exc, tb) -> None:
         if not self._stop.is_set() and distributed_failure(exc):
@@ -183,11 +196,11 @@ class Guard:
                 while True:  # the heartbeat thread reports and ends the process
                     time.sleep(1)
             return None
-        from .collectives import abort_all, flight_record, latest, pending
+        from .collectives import abort_all, flight_record, latest
 
         try:
             entries = flight_record(only_active=False)
-            final = self._publish(final=True, pending=pending(entries), latest=latest(entries), cause=cause or "",
+            final = self._publish(final=True, pending=self._pending(entries), latest=latest(entries), cause=cause or "",
                                   traceback=self._traceback[-4000:])
             self._write(final)
             if cause:
@@ -203,6 +216,19 @@ class Guard:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(settings.EXIT_HUNG)
+
+    def _pending(self, entries: list[dict]) -> list[dict]:
+        """What this rank waits in now: the flight recorder's pending ops, else (gloo retired them as it gave up) those
+        :meth:`_look_at_waits` saw in this same phase that are still the newest op of their group."""
+        from .collectives import latest, pending
+
+        now = pending(entries)
+        if now or self._waits is None or self._waits[0] != self.ledger.version:
+            return now
+        _, seen_at, waits = self._waits
+        newest = latest(entries)
+        return [dict(w, age_s=round(w["age_s"] + time.time() - seen_at, 3)) for w in waits
+                if newest.get(w["group"], {}).get("seq") == w["seq"]]
 
     def _write(self, final: dict) -> None:
         try:

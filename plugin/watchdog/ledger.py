@@ -9,6 +9,8 @@ fraction of a microsecond, at phase boundaries, never per tensor operation:
 ``step``       inside ``train_step`` before the first forward (the batch: the data contract's check)
 ``forward``    the forward of micro-batch k of the step (``detail``: ``micro-batch k``)
 ``backward``   the backward of micro-batch k (under pipeline stages: the stage's own backward of it)
+``recv``       a pipeline stage waits for activations (or gradients) of micro-batch k from stage j; ``send``: to it
+               (``peer``: the rank that stage runs on)
 ``optimizer``  the optimizer's step (after the gradients' reductions and clipping)
 ``eval``       ``eval_step``; ``checkpoint``: ``save`` or ``load``
 ``user``       between calls into the engine: the user's loop (the next batch, logging, their own code)
@@ -28,8 +30,8 @@ from collections.abc import Mapping, Sequence
 
 from ..monitor.rank_map import AXIS_NAMES
 
-PHASES = ("start", "build", "preflight", "step", "forward", "backward", "optimizer", "eval", "checkpoint", "user",
-          "close")
+PHASES = ("start", "build", "preflight", "step", "forward", "backward", "recv", "send", "optimizer", "eval",
+          "checkpoint", "user", "close")
 
 
 class Ledger:
@@ -40,21 +42,27 @@ class Ledger:
         self.host = host or socket.gethostname()
         self.pid = pid or os.getpid()
         self.step = 0  # the last step train_step finished (the one running is step + 1)
-        self.state = (0, "start", "", time.monotonic())
+        self.state = (0, "start", "", time.monotonic(), None)
         self.version = 0
-        self.forwards = self.backwards = 0  # micro-batches of the running step
+        self.forwards = 0  # forwards of micro-batches in the running step
 
-    def enter(self, phase: str, detail: str = "") -> None:
-        """Mark a phase boundary: one tuple replaced (atomic for the heartbeat thread that reads it)."""
-        self.state = (self.step, phase, detail, time.monotonic())
+    def enter(self, phase: str, detail: str = "", peer: int | None = None) -> None:
+        """Mark a phase boundary: one tuple replaced (atomic for the heartbeat thread that reads it). ``peer``: the
+        rank a ``recv`` or ``send`` waits on."""
+        self.state = (self.step, phase, detail, time.monotonic(), peer)
         self.version += 1
 
+    @property
+    def since(self) -> float:
+        """When the current phase began (``time.monotonic``)."""
+        return self.state[3]
+
     def record(self, now: float | None = None) -> dict:
-        """The published form: rank, host, pid, step, phase, detail and seconds in the phase."""
-        step, phase, detail, since = self.state
+        """The published form: rank, host, pid, step, phase, detail, peer and seconds in the phase."""
+        step, phase, detail, since, peer = self.state
         now = time.monotonic() if now is None else now
         return {"rank": self.rank, "host": self.host, "pid": self.pid, "step": step, "phase": phase,
-                "detail": detail, "in_phase_s": round(now - since, 3)}
+                "detail": detail, "peer": peer, "in_phase_s": round(now - since, 3)}
 
 
 def doing(entry: Mapping) -> str:
@@ -62,6 +70,8 @@ def doing(entry: Mapping) -> str:
 
     >>> doing({"step": 4, "phase": "backward", "detail": "micro-batch 2"})
     'step 5, backward of micro-batch 2'
+    >>> doing({"step": 0, "phase": "recv", "detail": "activations of micro-batch 3 from stage 1"})
+    'step 1, pipeline recv of activations of micro-batch 3 from stage 1'
     >>> doing({"step": 4, "phase": "user", "detail": ""})
     'in the training loop after step 4 (not inside the engine)'
     >>> doing({"step": 0, "phase": "preflight", "detail": "the data group [0, 2]"})
@@ -70,6 +80,8 @@ def doing(entry: Mapping) -> str:
     step, phase, detail = entry.get("step", 0), entry.get("phase", "?"), entry.get("detail", "")
     if phase in ("forward", "backward"):
         return f"step {step + 1}, {phase}" + (f" of {detail}" if detail else "")
+    if phase in ("recv", "send"):
+        return f"step {step + 1}, pipeline {phase}" + (f" of {detail}" if detail else "")
     if phase in ("step", "optimizer"):
         return f"step {step + 1}, " + ("the batch (before the first forward)" if phase == "step" else "optimizer step")
     if phase == "user":

@@ -69,6 +69,9 @@ class StoreServer:
 def _serve(write_fd: int, parent: int, linger_s: float) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):  # whatever handlers the training script installed are not ours
         signal.signal(sig, signal.SIG_DFL)
+    null = os.open(os.devnull, os.O_RDWR)  # a lingering child must not hold the launcher's pipes open
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
     try:
         from torch.distributed import TCPStore
 

@@ -37,8 +37,9 @@ class Wait:
     waiting_for: tuple[int, ...]
 
     def words(self) -> str:
-        what = f"{self.op} #{self.seq}" if not self.p2p else self.op
-        return f"in {what} on {group_words(self.kind, self.ranks)} for {self.age_s:.0f} s"
+        if self.p2p:
+            return f"in pipeline {self.op} for {self.age_s:.0f} s"
+        return f"in {self.op} #{self.seq} on {group_words(self.kind, self.ranks)} for {self.age_s:.0f} s"
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class Verdict:
             where = f" on {entry['host']} (pid {entry['pid']})" if entry else ""
             out.append(f"    {self.who(n.rank)}{where}: {n.words}")
             if entry and n.why != "behind":
-                out.append(f"      last seen: {doing(entry)}")
+                out.append(f"      at its last heartbeat: {doing(entry)}")
             if entry:
                 entered = self._entered(n.rank, entry)
                 if entered:
@@ -176,11 +177,10 @@ def judge(topology, ledgers: Mapping[int, Mapping], live: set[int], groups: Mapp
 
 
 def _waits_of(r: int, ledgers, live, groups, topology, timeout_s) -> list[Wait]:
-    """What live rank ``r`` waits in: its flight recorder's pending ops; else each group where it entered a collective
-    that a member has not (gloo retires a collective it gave up on, so the sequence numbers tell); else its newest
-    op, when that is a point-to-point op older than half the timeout (a pipeline's send or recv)."""
+    """What live rank ``r`` waits in: the flight recorder's pending ops in its final ledger; without any (no flight
+    recorder), the newest op it entered, when that is older than half the timeout: a collective some member has not
+    entered (by their sequence numbers on that group), or a point-to-point op (a pipeline's send or recv)."""
     entry = ledgers.get(r, {})
-    latest = entry.get("latest") or {}
     out = []
 
     def add(op: Mapping, ranks: tuple, waiting_for: tuple) -> None:
@@ -192,21 +192,20 @@ def _waits_of(r: int, ledgers, live, groups, topology, timeout_s) -> list[Wait]:
         ranks = tuple(groups.get(p["group"], ()))
         if len(ranks) > 1:
             add(p, ranks, _waited_for(r, p, ranks, ledgers, live))
-    seen = {w.group for w in out}
-    for g, seq in (entry.get("seqs") or {}).items():
-        ranks = tuple(groups.get(g, ()))
-        if g in seen or len(ranks) < 2:
-            continue
-        behind = tuple(m for m in ranks if m != r and int((ledgers.get(m, {}).get("seqs") or {}).get(g, -1)) < seq)
-        if behind:
-            last = latest.get(g, {})
-            op = last if last.get("seq") == seq and not last.get("p2p") else {"group": g, "seq": seq}
-            add(op, ranks, behind)
+    if not out and entry.get("phase") in ("recv", "send") and entry.get("peer") is not None \
+            and float(entry.get("in_phase_s", 0)) >= timeout_s / 2:  # gloo's flight recorder holds no p2p ops
+        peer = int(entry["peer"])
+        out.append(Wait(group="", ranks=tuple(sorted((r, peer))), kind="pipeline", seq=0,
+                        op=f"{entry['phase']} of {entry.get('detail') or 'a tensor'} (rank {peer})",
+                        age_s=float(entry["in_phase_s"]), p2p=True, waiting_for=(peer,)))
+    latest = list((entry.get("latest") or {}).values())
     if not out and latest:
-        newest = min(latest.values(), key=lambda e: e.get("age_s", 0))
+        newest = min(latest, key=lambda e: e.get("age_s", 0))
         ranks = tuple(groups.get(newest["group"], ()))
-        if newest.get("p2p") and newest.get("age_s", 0) >= timeout_s / 2 and len(ranks) > 1:
-            add(newest, ranks, _waited_for(r, newest, ranks, ledgers, live))
+        if newest.get("age_s", 0) >= timeout_s / 2 and len(ranks) > 1:
+            waiting_for = _waited_for(r, newest, ranks, ledgers, live)
+            if waiting_for:
+                add(newest, ranks, waiting_for)
     return out
 
 
