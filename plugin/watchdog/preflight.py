@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import Problem, RecipeError
-from . import collectives, settings
+from . import collectives
 from .ledger import group_kind, group_words
 from .verdict import hosts_words, layout_disagreement
 
@@ -77,7 +77,7 @@ def check_groups(guard, device) -> None:
     others = sorted(((n, g) for n, g in groups.items() if 1 < len(g[1]) < guard.world),
                     key=lambda item: (item[1][1], int(item[0]) if item[0].isdigit() else 1 << 30, item[0]))
     for i, (_name, (pg, ranks)) in enumerate(world[:1] + others):
-        window = guard.timeout_s if i == 0 and world else settings.preflight_s(guard.timeout_s)
+        window = guard.timeout_s if i == 0 and world else guard.recipe.watchdog.preflight_s
         words = group_words(group_kind(guard.topology, ranks), ranks)
         guard.ledger.enter("preflight", words)
         value = _digest(",".join(map(str, ranks)))

@@ -25,7 +25,6 @@ from pathlib import Path
 EXIT_HUNG = 75
 NCCL_GRACE_S = 20.0
 FR_BUFFER_SIZE = 2000  # entries of the flight recorder's ring, when the user set none (torch's gloo default)
-PREFLIGHT_MAX_S = 60.0
 
 
 def beat_s(timeout_s: float) -> float:
@@ -44,11 +43,6 @@ def settle_s(timeout_s: float) -> float:
     (4.0, 16.0)
     """
     return 3 * beat_s(timeout_s) + 1
-
-
-def preflight_s(timeout_s: float) -> float:
-    """The window each group's pre-flight all-reduce has: ``min(timeout_s, 60)``."""
-    return min(float(timeout_s), PREFLIGHT_MAX_S)
 
 
 def process_group_timeout_s(timeout_s: float, backend: str) -> float:

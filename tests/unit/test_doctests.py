@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 MODULES = ["plugin.distributed.topology", "plugin.pipeline_parallel.stages", "plugin.planning.units",
-           "plugin.materialize.seeds"]
+           "plugin.materialize.seeds", "plugin.watchdog.settings", "plugin.watchdog.ledger", "plugin.watchdog.verdict"]
 
 
 @pytest.mark.parametrize("name", MODULES)
