@@ -78,10 +78,10 @@ def run_id(environ: Mapping[str, str]) -> str:
 
     >>> run_id({"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "2"})
     'abc-2'
-    >>> run_id({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
+    >>> run_id({"TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
     '10.0.0.1-29500'
     """
-    if environ.get("TORCHELASTIC_RUN_ID"):
+    if environ.get("TORCHELASTIC_RUN_ID", "none") != "none":  # accelerate launch leaves torchrun's default, "none"
         return f"{environ['TORCHELASTIC_RUN_ID']}-{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     word = f"{environ.get('MASTER_ADDR', 'local')}-{environ.get('MASTER_PORT', '0')}"
     return "".join(c if c.isalnum() or c in "-._" else "_" for c in word)
