@@ -38,7 +38,10 @@ from .store import StoreServer, agent_serves_store, guard_store
 from .verdict import judge
 
 _GENERATION = itertools.count()  # guards started in this process: the same count on every rank (same build order)
-_MARKERS = ("Timed out", "timed out", "Connection closed", "Connection reset", "NCCL", "gloo", "ProcessGroup")
+# gloo: "Timed out waiting 20000ms for recv operation", "Application timeout caused pair closure" (a peer's gloo gave up
+# first and closed the pair), "Connection closed by peer"
+_MARKERS = ("Timed out", "timed out", "timeout caused", "pair closure", "Connection closed", "Connection reset", "NCCL",
+            "gloo", "ProcessGroup")
 
 
 def prepare(recipe, env, device_type: str, job_dir=None) -> Guard | None:
