@@ -26,7 +26,10 @@ import pytest
 
 from plugin.distributed.topology import Topology
 
+from .needs import need
 from .runs import ROOT, cpu_env, launcher_argv, recipe_variant, release_deepspeed_shm
+
+pytestmark = pytest.mark.dist
 
 TIMEOUT_S = 20
 BUDGET_S = TIMEOUT_S + 30  # the issue's bound: every other process gone this long after the stop
@@ -148,9 +151,12 @@ def recipes(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("case, launcher, backend", [("tp2_pp2", "torchrun", "native"),
-                                                     ("tp2_dp2", "deepspeed", "deepspeed")])
+@pytest.mark.parametrize("case, launcher, backend", [
+    pytest.param("tp2_pp2", "torchrun", "native", marks=pytest.mark.native),
+    pytest.param("tp2_dp2", "deepspeed", "deepspeed", marks=pytest.mark.deepspeed)])
 def test_sigstop_one_rank_stops_the_job_and_names_it(recipes, case, launcher, backend):
+    if backend == "deepspeed":
+        need("deepspeed")
     tmp, paths = recipes
     rng = random.Random(f"watchdog-{case}")
     held, at = rng.randrange(4), rng.randint(2, 4)
@@ -167,10 +173,12 @@ def test_sigstop_one_rank_stops_the_job_and_names_it(recipes, case, launcher, ba
         assert len(re.findall(rf"exitcode\s*: {EXIT_HUNG} ", run.stderr)) == 3, run.log()
 
 
+@pytest.mark.native
 def test_a_sleeping_rank_in_the_users_loop_stops_the_job(recipes):
     """accelerate launch, Accelerate's DDP: rank 1 sleeps in the loop after step 3; rank 0 waits in the next step's
     all-reduce, its guard names rank 1 (alive, beating, in the user's code) and stops the job; the sleeper's own
     guard hears the declared timeout at its next beat and exits too."""
+    need("accelerate")
     tmp, paths = recipes
     cmd = launcher_argv("accelerate", 2) + [str(ROOT / "tests/dist/watchdog_loop.py"), "--recipe", str(paths["dp2"]),
                                             "--sleep-rank", "1", "--sleep-at", "3"]
@@ -183,6 +191,7 @@ def test_a_sleeping_rank_in_the_users_loop_stops_the_job(recipes):
     assert run.gone.get(1, 1e9) <= BUDGET_S + 10, run.log()  # the sleeper too, at its guard's next beat
 
 
+@pytest.mark.native
 def test_preflight_refuses_a_rank_with_another_layout(recipes):
     """Rank 1 launched with tensor 2 where rank 0 has data 2: both refuse before step 1, at once, naming both."""
     tmp, paths = recipes
