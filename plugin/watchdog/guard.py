@@ -12,8 +12,9 @@ Lifecycle (driven by :func:`plugin.engines.initialize.initialize`; ``Engine.clos
    pre-flight's second half (:mod:`.preflight`: one all-reduce per group).
 4. :meth:`Guard.stop` at ``Engine.close``; rank 0 then :meth:`Guard.release` s the store server.
 
-The heartbeat thread, every :func:`~plugin.watchdog.settings.beat_s`: publishes the ledger (with torch's
-per-group sequence numbers), beats (a counter in the store), looks at its successor's beat (rank r + 1 mod world:
+The heartbeat thread, as each step begins (the step hook sets ``Ledger.stepped``; the main thread itself makes no
+store call) and every :func:`~plugin.watchdog.settings.beat_s`: publishes the ledger (with torch's per-group sequence
+numbers); at each beat it also beats (a counter in the store), looks at its successor's beat (rank r + 1 mod world:
 each rank is watched by one other, a few store calls per beat whatever the world size), and at whether another
 rank declared a timeout. A silent successor for ``timeout_s``, a collective that waited ``timeout_s`` (gloo raises
 it in the waiting thread; the guard catches it as it leaves the script uncaught; on NCCL the thread reads the
@@ -120,6 +121,7 @@ class Guard:
     def stop(self) -> None:
         """The job ends normally: no more beats, hooks or exception handling (every rank, before the last barrier)."""
         self._stop.set()
+        self.ledger.stepped.set()  # wakes the heartbeat at once
         if self._thread is not None:
             self._thread.join(timeout=self.beat_s + 10)
         if self.hooks is not None:
@@ -145,8 +147,20 @@ class Guard:
     def _beat(self) -> None:
         successor = (self.rank + 1) % self.world
         seen, since, answered = -1, time.monotonic(), time.monotonic()
-        while not self._stop.wait(self.beat_s):
+        next_beat = time.monotonic() + self.beat_s
+        while not self._stop.is_set():
+            if self.ledger.stepped.wait(max(0.0, next_beat - time.monotonic())):
+                self.ledger.stepped.clear()  # a step began: publish it now (a stopped rank's ledger names its step)
+                if not self._stop.is_set() and time.monotonic() < next_beat:
+                    try:
+                        self._publish()
+                    except Exception:  # noqa: BLE001 - the beat below judges a silent store
+                        pass
+                    continue
+            if self._stop.is_set():
+                return None
             now = time.monotonic()
+            next_beat = now + self.beat_s
             try:
                 self._publish()
                 self.store.add(f"beat/{self.rank}", 1)

@@ -14,7 +14,8 @@ and the engine's public calls wrapped on the instance.
   instance with the send and receive entries marked). Gloo's flight recorder does not record point-to-point ops:
   this is how the report knows a stage waits for its neighbour.
 
-Each hook replaces one tuple (:meth:`plugin.watchdog.ledger.Ledger.enter`): no collective, no lock, no store call.
+Each hook replaces one tuple (:meth:`plugin.watchdog.ledger.Ledger.enter`): no collective, no lock, no store call;
+``train_step`` also sets ``Ledger.stepped``, on which the heartbeat thread publishes the new step at once.
 :meth:`EngineHooks.detach` removes them all.
 """
 from __future__ import annotations
@@ -120,6 +121,8 @@ class EngineHooks:
             if is_step:
                 ledger.forwards = 0
             ledger.enter(phase)
+            if is_step:
+                ledger.stepped.set()
             result = call(*args, **kwargs)  # an exception leaves the phase it came from in the ledger (the report's)
             ledger.step = engine.step_count
             ledger.enter("user")

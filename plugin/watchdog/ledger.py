@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Mapping, Sequence
 
@@ -45,6 +46,7 @@ class Ledger:
         self.state = (0, "start", "", time.monotonic(), None)
         self.version = 0
         self.forwards = 0  # forwards of micro-batches in the running step
+        self.stepped = threading.Event()  # set as a step begins: the heartbeat publishes then, not only at its beat
 
     def enter(self, phase: str, detail: str = "", peer: int | None = None) -> None:
         """Mark a phase boundary: one tuple replaced (atomic for the heartbeat thread that reads it). ``peer``: the

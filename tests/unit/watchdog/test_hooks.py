@@ -53,14 +53,18 @@ def test_a_step_marks_each_micro_batch_the_optimizer_and_the_loop():
     engine, ledger = TwoMicroBatches(), Recording()
     hooks = EngineHooks(engine, ledger)
     hooks.attach()
+    assert not ledger.stepped.is_set()
     engine.train_step(torch.ones(4, 4))
+    assert ledger.stepped.is_set()  # the heartbeat thread publishes the new step at once
     assert ledger.seen == [(0, "step", ""), (0, "forward", "micro-batch 1"), (0, "backward", "micro-batch 1"),
                            (0, "forward", "micro-batch 2"), (0, "backward", "micro-batch 2"), (0, "optimizer", ""),
                            (1, "user", "")]
     ledger.seen.clear()
+    ledger.stepped.clear()
     engine.eval_step(torch.ones(2, 4))  # no grad: no micro-batch marks
     engine.save("x")
     assert ledger.seen == [(1, "eval", ""), (1, "user", ""), (1, "checkpoint", ""), (1, "user", "")]
+    assert not ledger.stepped.is_set()
     ledger.seen.clear()
     try:
         engine.load("x")
