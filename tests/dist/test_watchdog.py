@@ -71,23 +71,27 @@ class Watched:
         self.hung: int | None = None
         self.hung_at: float | None = None
 
+    def _look(self) -> None:
+        live = _ranks_of(self.token)
+        for pid, r in live.items():
+            self.pids.setdefault(r, pid)  # the lowest pid first seen: the rank (not the store child rank 0 forks)
+        since = self.hung_at or self.start
+        for r, pid in self.pids.items():
+            if pid not in live:
+                self.gone.setdefault(r, round(time.monotonic() - since, 1))
+
     def run(self, world: int, ready=None, rank: int | None = None, sig=None, limit_s: float = 420) -> Watched:
         while time.monotonic() - self.start < limit_s:
-            live = _ranks_of(self.token)
-            for pid, r in live.items():
-                self.pids.setdefault(r, pid)  # the lowest pid first seen: the rank (not the store child rank 0 forks)
-            since = self.hung_at or self.start
-            for r, pid in self.pids.items():
-                if pid not in live:
-                    self.gone.setdefault(r, round(time.monotonic() - since, 1))
+            self._look()
             if rank is not None and self.hung is None and rank in self.pids and ready():
                 if sig is not None:
                     os.kill(self.pids[rank], sig)
                 self.hung, self.hung_at = rank, time.monotonic()
-            others = [r for r in range(world) if r != self.hung]
+            others = [r for r in range(world) if r != self.hung or sig != signal.SIGSTOP]  # a sleeper must go too
             if self.proc.poll() is not None or (len(self.pids) == world and all(r in self.gone for r in others)):
                 break
             time.sleep(0.1)
+        self._look()  # a rank that ended as the launcher did
         if self.hung is not None and sig == signal.SIGSTOP:  # the others are out: no launcher grace for this one
             try:
                 os.kill(self.pids[self.hung], signal.SIGKILL)
@@ -104,7 +108,8 @@ class Watched:
         return self
 
     def log(self) -> str:
-        return (f"$ {' '.join(self.cmd)}\nexit {self.proc.returncode}; hung rank {self.hung}; gone {self.gone}\n"
+        return (f"$ {' '.join(self.cmd)}\nexit {self.proc.returncode}; hung rank {self.hung}; pids {self.pids}; "
+                f"gone {self.gone}\n"
                 f"--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-8000:]}")
 
 
