@@ -214,7 +214,7 @@ def main(argv=None):
         print(e, file=sys.stderr)
         return 2
     try:
-        engine = plugin.initialize(model, recipe, seed=args.seed, weights=saved_weights(args.model))
+        engine = plugin.initialize(model, recipe, seed=args.seed, weights=saved_weights(args.model), job_dir=args.save)
     except RecipeError:
         return 2  # rank 0 already printed every problem
     except PluginError as e:

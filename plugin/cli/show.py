@@ -67,6 +67,7 @@ def run(args) -> int:
         "schedule": recipe.pipeline_parallel.schedule if layout.pipeline > 1 else None,
         "activation_checkpointing": _recompute_words(recipe.activation_checkpointing),
         "lr_schedule": describe_schedule(recipe.lr_schedule, recipe.optimizer.lr),
+        "watchdog": _watchdog_words(recipe.watchdog),
         "launcher": recipe.launcher,
     }
     if args.svg:
@@ -93,6 +94,11 @@ def _recompute_words(ac) -> str:
     if ac.mode == "full":
         return f"full, spans of {ac.every} block{'s' if ac.every != 1 else ''}"
     return "selective (attention core)" if ac.mode == "selective" else "none"
+
+
+def _watchdog_words(w) -> str:
+    """``timeout 600 s, pre-flight 60 s per group``: the hang guard's limits (:mod:`plugin.watchdog`)."""
+    return f"timeout {w.timeout_s:g} s, pre-flight {w.preflight_s:g} s per group"
 
 
 def _peers(ranks) -> str:

@@ -24,6 +24,7 @@ over that group, counting a replicated parameter on tensor rank 0 only and a par
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -199,12 +200,14 @@ class ParallelGroups:
         return self.model_group
 
 
-def build_groups(topology: Topology, backend: str | None = None) -> ParallelGroups:
+def build_groups(topology: Topology, backend: str | None = None, timeout: timedelta | None = None) -> ParallelGroups:
     """Create every tensor, data, pipeline and model group of ``topology`` (and context and data x context groups
     when it has a context axis); return this rank's.
 
     A collective: every rank of the default group must call it with the same topology. ``backend``
     (e.g. "gloo" next to an NCCL default group) is passed to ``new_group``; ``None`` uses the default's.
+    ``timeout``: how long a collective on these groups may wait (the recipe's ``watchdog``; ``None``: torch's
+    ``new_group`` default, 30 min on gloo and 10 on NCCL, not the default group's).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise GroupError("torch.distributed is not initialized: call torch.distributed.init_process_group "
@@ -224,7 +227,8 @@ def build_groups(topology: Topology, backend: str | None = None) -> ParallelGrou
             if key not in made:
                 # the default group already spans the world: reuse it rather than open a second communicator
                 whole_world = key == tuple(range(world)) and backend is None
-                made[key] = dist.group.WORLD if whole_world else dist.new_group(list(key), backend=backend)
+                made[key] = dist.group.WORLD if whole_world else dist.new_group(list(key), backend=backend,
+                                                                                timeout=timeout)
             if rank in key:
                 mine = key
         assert mine is not None, (rank, lists)
@@ -241,13 +245,15 @@ def build_groups(topology: Topology, backend: str | None = None) -> ParallelGrou
     return ParallelGroups(topology, rank, *tensor, *data, *pipeline, *model, *context, *data_context)
 
 
-def build_tie_groups(topology: Topology, pipeline_ranks: list[tuple[int, ...]], backend: str | None = None) -> dict:
+def build_tie_groups(topology: Topology, pipeline_ranks: list[tuple[int, ...]], backend: str | None = None,
+                     timeout: timedelta | None = None) -> dict:
     """Megatron's embedding group, for any weight tied across pipeline stages: for each set of pipeline coordinates
     in ``pipeline_ranks`` (e.g. ``(0, pipeline - 1)``: the first and last stage), one group per (data, context, tensor)
     coordinate of the global ranks at those pipeline coordinates. Returns ``{pipeline ranks: this rank's group}``
     for the sets this rank is in (gradients of the tied copies are summed over it).
 
-    A collective: every rank calls it with the same sets, in the same order (the sets are sorted here).
+    A collective: every rank calls it with the same sets, in the same order (the sets are sorted here). ``timeout``:
+    as :func:`build_groups`'.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     mine = {}
@@ -257,7 +263,7 @@ def build_tie_groups(topology: Topology, pipeline_ranks: list[tuple[int, ...]], 
                 for tp in range(topology.tp_size):
                     ranks = [topology.rank(pp=p, dp=dp, tp=tp, cp=cp) for p in pp_ranks]
                     whole_world = len(ranks) == world and backend is None
-                    group = dist.group.WORLD if whole_world else dist.new_group(ranks, backend=backend)
+                    group = dist.group.WORLD if whole_world else dist.new_group(ranks, backend=backend, timeout=timeout)
                     if rank in ranks:
                         mine[pp_ranks] = group
     return mine

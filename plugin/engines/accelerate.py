@@ -189,10 +189,12 @@ class AccelerateEngine(Engine):
         return held_bytes(self.accelerator.unwrap_model(self.model), optimizer)
 
 
-def _plugins(mode: str, recipe, world_size: int, cuda: bool, model, layers_of: Callable) -> dict:
+def _plugins(mode: str, recipe, world_size: int, cuda: bool, model, layers_of: Callable, timeout) -> dict:
     from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs
 
-    kwargs: dict = {"kwargs_handlers": []}
+    # the process group's timeout (the recipe's watchdog); on CPU under the DeepSpeed plugin also gloo (see below)
+    init = {"timeout": timeout, **({"backend": "gloo"} if mode == "deepspeed" and not cuda else {})}
+    kwargs: dict = {"kwargs_handlers": [InitProcessGroupKwargs(**init)]}
     if recipe.precision == "fp16" and mode != "deepspeed":  # DeepSpeed scales the loss itself, from the ds_config
         kwargs["kwargs_handlers"].append(GradScalerKwargs(**loss_scaler_kwargs(recipe)))
     if mode == "deepspeed":
@@ -203,7 +205,6 @@ def _plugins(mode: str, recipe, world_size: int, cuda: bool, model, layers_of: C
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=config)
         if not cuda:
             os.environ["ACCELERATE_USE_CPU"] = "false"  # else Accelerate forces cpu=True and drops the plugin
-            kwargs["kwargs_handlers"].append(InitProcessGroupKwargs(backend="gloo"))
     elif mode == "fsdp":
         from accelerate.utils import FullyShardedDataParallelPlugin
         from torch.distributed.fsdp import CPUOffloadPolicy
@@ -254,11 +255,12 @@ def build(ctx: BuildContext) -> AccelerateEngine:
         raise PluginError(f"Accelerate cannot carry this recipe: {why} -> {fix}let initialize choose the back end")
     if env.is_main:
         print(f"{recipe.source or recipe.name}: note: accelerate launch: {why}", file=sys.stderr, flush=True)
-    plugins = _plugins(mode, recipe, env.world_size, cuda, model, ctx.layers_of)
+    plugins = _plugins(mode, recipe, env.world_size, cuda, model, ctx.layers_of, ctx.pg_timeout)
     acc = Accelerator(mixed_precision=PRECISIONS[recipe.precision].accelerate,
                       gradient_accumulation_steps=layout.grad_accum, **plugins)
     _check_accelerator(acc, mode, env.world_size)
-    groups = build_groups(ctx.topology)
+    ctx.joined()  # the hang guard starts, and checks that every rank runs this recipe at this layout
+    groups = build_groups(ctx.topology, timeout=ctx.pg_timeout)
     if ctx.on_meta and mode == "deepspeed" and recipe.zero.stage == 3:
         # as on the DeepSpeed engine: each unit partitioned over the world as it is made (zero.Init(module=)),
         # one unit whole at a time; prepare's deepspeed.initialize then finds the parameters partitioned

@@ -66,6 +66,8 @@ class Engine(abc.ABC):
     # last train_step did (plugin.monitor.record.StepReport)
     lr_schedule = None
     last_step = None
+    # The hang guard (plugin.watchdog.guard.Guard; initialize sets it in a world of more than one), stopped by close()
+    guard = None
     _step_tokens: int = 0
     _meter = None
 
@@ -119,10 +121,15 @@ class Engine(abc.ABC):
         finished work's tensors waits for that GIL (gloo's barrier keeps the previous works alive until its
         own release). The pause lets the workers drop them before anything is destroyed.
         """
+        if self.guard is not None:  # the job ends normally: no more beats (each rank, before the last barrier)
+            self.guard.stop()
         if dist.is_initialized():
             dist.barrier()
             time.sleep(0.1)  # let gloo's workers drop the finished works' tensors first (see above)
             dist.destroy_process_group()
+        if self.guard is not None:
+            self.guard.release()  # rank 0: the watchdog's store server (plugin.watchdog.store)
+            self.guard = None
 
     # ------------------------------------------------------------------ what a step reports
     def schedule_optimizer(self):
@@ -329,6 +336,11 @@ class Engine(abc.ABC):
                               "-100" + (", and the shift drops each row's first label" if convention == HF else "")
                               + ") -> check the labels' padding")
         loss_fn.prepare(n / (self.loss_replicas * lay.grad_accum), convention)
+
+    def micro_batch_modules(self) -> list:
+        """The modules the back end runs once per micro-batch (the hang guard's phase hooks sit on them): the model;
+        a pipelined back end's local stages."""
+        return [self.module]
 
     def micro_batches(self, batch, call: str | None = None) -> list:
         return micro_batches(self.local_batch(batch, call), self.layout.grad_accum)

@@ -31,6 +31,9 @@ class BuildContext:
     tensor-parallel plan. ``loss_for(tp_group)``: the loss function, once the tensor group exists.
     ``seed``: the init seed of meta tensors; ``units``: what :meth:`materialize` fills; ``weights``: where their
     values come from instead (a :class:`plugin.materialize.weights.SafetensorsWeights`), or None for the init.
+    ``guard``: this rank's hang guard (:class:`plugin.watchdog.guard.Guard`; None in a world of one): the back end
+    calls :meth:`joined` as soon as its default process group exists, and gives every group it makes
+    :attr:`pg_timeout`.
     """
 
     model: Any
@@ -44,6 +47,24 @@ class BuildContext:
     seed: int = 0
     units: tuple = ()  # the meta model's init units (plugin.materialize.capture); empty for an eager model
     weights: Any = None  # initialize(weights=DIR): the units are filled from these files, each rank its part
+    guard: Any = None  # plugin.watchdog.guard.Guard, or None
+
+    @property
+    def pg_timeout(self):
+        """The ``timedelta`` every process group gets: the recipe's ``watchdog.timeout_s`` (plus NCCL's grace on
+        CUDA: :func:`plugin.watchdog.settings.process_group_timeout_s`)."""
+        from datetime import timedelta
+
+        from ..watchdog.settings import process_group_timeout_s
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        return timedelta(seconds=process_group_timeout_s(self.recipe.watchdog.timeout_s, backend))
+
+    def joined(self) -> None:
+        """The default process group exists: the guard starts its heartbeat and checks that every rank runs this
+        recipe at this layout (:meth:`plugin.watchdog.guard.Guard.join`)."""
+        if self.guard is not None:
+            self.guard.join(self.device)
 
     @property
     def on_meta(self) -> bool:

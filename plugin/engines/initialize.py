@@ -163,7 +163,7 @@ def _fail(problems: list[Problem], env) -> None:
 
 
 def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, loss_fn: Callable | None = None,
-               world_size: int | None = None, backend: str | None = None, weights=None):
+               world_size: int | None = None, backend: str | None = None, weights=None, job_dir=None):
     """Shard ``model`` per ``recipe`` and wrap it in the chosen back end's :class:`~plugin.engines.base.Engine`.
 
     ``model``: an ``nn.Module`` built on the meta device (``with torch.device("meta"): GPT(cfg)``), or a
@@ -182,6 +182,9 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
     ``backend``: "deepspeed", "accelerate" or "native" to override :func:`choose_backend`.
     ``weights``: a directory ``save_pretrained`` wrote (``*.safetensors``), for a model on meta or a builder: each
     rank reads only its part of the tensors (:mod:`plugin.materialize.weights`), checked against the model first.
+    ``job_dir``: where the hang guard writes its ledgers at a timeout (``<job_dir>/watchdog/<run>``, e.g. the
+    ``--save`` directory; default a directory under the system's temporary one): :mod:`plugin.watchdog`, set up here
+    for any world of more than one process, its pre-flight passed before this returns.
     Raises :class:`RecipeError` with every problem, before building anything, when the recipe does not fit the
     launched world or the model.
     """
@@ -232,17 +235,29 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
         from .accelerate import build
     else:
         raise PluginError(f'unknown backend {backend!r} -> use "deepspeed", "accelerate" or "native"')
-    engine = build(BuildContext(model=model, recipe=recipe, layout=layout, env=env, device=device,
-                                layers_of=layers_of, apply_tp=apply_tp, loss_for=loss_for,
-                                seed=_seed(seed, weights), units=tuple(units), weights=source))
-    _check_nothing_left_on_meta(engine)
-    from .lr_schedule import build_lr_schedule
+    from ..watchdog.guard import prepare
 
-    engine.lr_schedule = build_lr_schedule(engine.schedule_optimizer(), recipe)  # one LambdaLR, every back end
-    engine.model_index, engine.tp_layouts, engine.whole_model = index, tp_layouts, model
-    from ..models.hf_stages import is_hf_model
+    guard = prepare(recipe, env, device.type, job_dir)  # before any process group: rank 0 may fork its store
+    try:
+        engine = build(BuildContext(model=model, recipe=recipe, layout=layout, env=env, device=device,
+                                    layers_of=layers_of, apply_tp=apply_tp, loss_for=loss_for,
+                                    seed=_seed(seed, weights), units=tuple(units), weights=source, guard=guard))
+        _check_nothing_left_on_meta(engine)
+        from .lr_schedule import build_lr_schedule
 
-    engine.calls_with_kwargs = is_hf_model(model)  # dict batches as keyword arguments, use_cache=False
+        engine.lr_schedule = build_lr_schedule(engine.schedule_optimizer(), recipe)  # one LambdaLR, every back end
+        engine.model_index, engine.tp_layouts, engine.whole_model = index, tp_layouts, model
+        from ..models.hf_stages import is_hf_model
+
+        engine.calls_with_kwargs = is_hf_model(model)  # dict batches as keyword arguments, use_cache=False
+        if guard is not None:
+            guard.attach(engine)  # every group's timeout, the phase hooks, one all-reduce per group (pre-flight)
+            engine.guard = guard
+    except BaseException:
+        if guard is not None:  # every rank refuses alike here (a failing rank alone: its peers' guards report it)
+            guard.stop()
+            guard.release()
+        raise
     if env.is_main:  # here, not in each back end: every back end passes this line
         print(f"{recipe.source or recipe.name}: {startup_line(engine)}", file=sys.stderr, flush=True)
     return engine

@@ -253,6 +253,15 @@ def check_lr_schedule(recipe: Recipe, layout: Layout | None) -> Problems:
                       "only)")
 
 
+def check_watchdog(recipe: Recipe, layout: Layout | None) -> Problems:
+    """The hang guard's timeout: at least 5 s (the schema says so for JSON; a recipe built in Python is held here)."""
+    t = recipe.watchdog.timeout_s
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 5:
+        yield Problem("$.watchdog.timeout_s", f"timeout_s {t!r}: the hang guard needs at least 5 s (its heartbeat "
+                      "beats every second or more, and a peer must be silent that long to be taken for stopped)",
+                      'use "timeout_s": 600 (the default), or at least 5')
+
+
 def check_cluster(recipe: Recipe, layout: Layout | None) -> Problems:
     c = recipe.cluster
     if c is None:
@@ -289,7 +298,7 @@ def check_name(recipe: Recipe, layout: Layout | None) -> Problems:
 
 RULES = (check_zero, check_batch_and_world, check_model_dims, check_tensor_parallel, check_context_parallel,
          check_pipeline, check_activation_checkpointing, check_native_back_end, check_precision_and_optimizer,
-         check_lr_schedule, check_cluster, check_name, check_deepspeed_block)
+         check_lr_schedule, check_watchdog, check_cluster, check_name, check_deepspeed_block)
 
 
 def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]:

@@ -116,6 +116,18 @@ class LRSchedule:
 
 
 @dataclass(frozen=True)
+class Watchdog:
+    """The hang guard (:mod:`plugin.watchdog`): ``timeout_s`` is the longest any rank may wait for its peers (in a
+    collective, or for a peer's heartbeat) before every process reports and exits; also the process groups'
+    timeout. The pre-flight gives each group ``min(timeout_s, 60)`` seconds for its first all-reduce."""
+    timeout_s: float = 600
+
+    @property
+    def preflight_s(self) -> float:
+        return min(float(self.timeout_s), 60.0)
+
+
+@dataclass(frozen=True)
 class Model:
     layers: int
     hidden: int
@@ -158,6 +170,7 @@ class Recipe:
     optimizer: Optimizer = Optimizer()
     lr_schedule: LRSchedule | None = None
     gradient_clipping: float = 1.0
+    watchdog: Watchdog = Watchdog()
     model: Model | None = None
     cluster: Cluster | None = None
     launcher: str = "auto"

@@ -7,7 +7,8 @@ import pytest
 
 MODULES = ["plugin.distributed.topology", "plugin.pipeline_parallel.stages", "plugin.planning.units",
            "plugin.materialize.seeds", "plugin.recipe.elastic", "plugin.recipe.layout",
-           "plugin.context_parallel.chunks"]
+           "plugin.context_parallel.chunks", "plugin.watchdog.settings", "plugin.watchdog.ledger",
+           "plugin.watchdog.verdict"]
 
 
 @pytest.mark.parametrize("name", MODULES)

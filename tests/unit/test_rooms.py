@@ -24,7 +24,7 @@ PLUGIN = Path(plugin.__file__).resolve().parent
 # Rooms in data-flow order, then the two front doors (launch.sh's brain and python -m plugin), which may use any
 # room above them; a room imports only from rooms above it or from itself.
 ROOMS = ["recipe", "interop", "planning", "distributed", "tensor_parallel", "context_parallel", "pipeline_parallel",
-         "materialize", "models", "data", "checkpoint", "monitor", "engines", "elastic", "launch", "cli"]
+         "materialize", "models", "data", "checkpoint", "monitor", "watchdog", "engines", "elastic", "launch", "cli"]
 SHARED = {"plugin.errors"}
 PURE_PACKAGES = ["plugin.recipe", "plugin.interop", "plugin.planning", "plugin.elastic", "plugin.launch",
                  "plugin.cli"]
@@ -33,7 +33,8 @@ PURE_MODULES = ["plugin.errors", "plugin.distributed.topology", "plugin.distribu
                 "plugin.checkpoint.directory", "plugin.checkpoint.manifest", "plugin.checkpoint.writeback",
                 "plugin.checkpoint.verify", "plugin.checkpoint.checksum",
                 "plugin.monitor", "plugin.monitor.record", "plugin.monitor.console", "plugin.monitor.metrics",
-                "plugin.monitor.quiet", "plugin.monitor.rank_map", "plugin.monitor.plot"]
+                "plugin.monitor.quiet", "plugin.monitor.rank_map", "plugin.monitor.plot",
+                "plugin.watchdog", "plugin.watchdog.settings", "plugin.watchdog.ledger", "plugin.watchdog.verdict"]
 HEAVY = ("torch", "deepspeed", "accelerate", "transformers")
 
 

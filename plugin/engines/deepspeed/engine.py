@@ -222,7 +222,9 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning)
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False,
+                               timeout=ctx.pg_timeout)
+    ctx.joined()  # the hang guard starts, and checks that every rank runs this recipe at this layout
     topology = ctx.topology
     choice = choose_optimizer(recipe, device)
     if choice.note and ctx.env.is_main:
@@ -252,7 +254,7 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
         tied.synchronize(module)  # no-op without ties; under meta init the constructor's broadcast was skipped
         mpu = None  # DeepSpeed requires mpu=None with a PipelineModule; it uses the module's grid
     else:
-        groups = build_groups(topology)
+        groups = build_groups(topology, timeout=ctx.pg_timeout)
         loss_fn = loss_for(groups.tensor_group)
         module = apply_tp(model, groups.tensor_group) if layout.tensor > 1 else model
         # at tensor 1 DeepSpeed's own groups are the plugin's (its data group is the world): no mpu to hand it

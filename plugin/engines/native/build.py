@@ -28,8 +28,9 @@ def build(ctx: BuildContext) -> NativeEngine:
         bounds, ties = check_stage_cut(ctx.layers_of(ctx.model), recipe.pipeline_parallel.partition,
                                        layout.pipeline * virtual_stages(recipe), "torch.distributed.pipelining",
                                        pipeline=layout.pipeline)
-    init_process_group(device)
-    groups = build_groups(ctx.topology)
+    init_process_group(device, ctx.pg_timeout)
+    ctx.joined()  # the hang guard starts, and checks that every rank runs this recipe at this layout
+    groups = build_groups(ctx.topology, timeout=ctx.pg_timeout)
     if layout.pipeline > 1:
         return build_pipeline(ctx, groups, bounds, ties)
     return build_data_parallel(ctx, groups)

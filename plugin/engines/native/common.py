@@ -27,13 +27,14 @@ from ..precision import compute_dtype, loss_scaler_kwargs
 from . import state
 
 
-def init_process_group(device: torch.device) -> None:
-    """Join the launcher's rendezvous (env://): NCCL on CUDA, gloo on CPU."""
+def init_process_group(device: torch.device, timeout=None) -> None:
+    """Join the launcher's rendezvous (env://): NCCL on CUDA, gloo on CPU; ``timeout`` bounds the rendezvous and every
+    collective of the default group (the recipe's ``watchdog``)."""
     if not dist.is_initialized():
         if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device)
+            dist.init_process_group("nccl", device_id=device, timeout=timeout)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timeout)
 
 
 def tensor_sharded_names(module: torch.nn.Module) -> set[str]:

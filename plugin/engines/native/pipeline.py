@@ -84,6 +84,10 @@ class PipelineEngine(NativeEngine):
         self.holds_first = any(s.is_first for s in stages)
         self.holds_last = any(s.is_last for s in stages)
 
+    def micro_batch_modules(self) -> list:
+        """The stages' modules (DDP-wrapped at data > 1): the schedule runs each once per micro-batch."""
+        return [stage.submod for stage in self.stages]
+
     def scaled_loss(self, output, labels):
         """The schedule's loss_fn: the loss scaled for backward (fp16). The schedule also calls it on
         placeholder tensors while it infers shapes, so losses are read from its ``losses`` list, not here."""
@@ -147,7 +151,7 @@ def build_pipeline(ctx: BuildContext, groups, bounds: list[int], ties=()) -> Pip
         ctx.materialize(held={id(t) for t in [*container.parameters(), *container.buffers()]})
     container.to(device)
     tied = TiedCopies.build(ties, layers, {i for s in mine for i in range(bounds[s], bounds[s + 1])}, groups,
-                            layout.pipeline)
+                            layout.pipeline, timeout=ctx.pg_timeout)
     tied.broadcast_values()
     sharded_names = tensor_sharded_names(container)
     replicas = groups.data_context_size  # ranks holding the same stage: data x context

@@ -31,12 +31,14 @@ class TiedCopies:
         self.copies = copies
 
     @classmethod
-    def build(cls, ties: Sequence, layers: Sequence[nn.Module], held_layers: set[int], groups, pipeline: int):
+    def build(cls, ties: Sequence, layers: Sequence[nn.Module], held_layers: set[int], groups, pipeline: int,
+              timeout=None):
         """A collective: every rank calls it with the same ``ties`` (it builds their groups). ``held_layers``: the
-        indices of the layers on this rank's stages; ``layers``: the (sharded, materialised) layer list."""
+        indices of the layers on this rank's stages; ``layers``: the (sharded, materialised) layer list; ``timeout``:
+        the groups' (:func:`plugin.distributed.groups.build_tie_groups`)."""
         if not ties:
             return cls([])
-        made = build_tie_groups(groups.topology, [tie.ranks(pipeline) for tie in ties])
+        made = build_tie_groups(groups.topology, [tie.ranks(pipeline) for tie in ties], timeout=timeout)
         copies = []
         for tie in ties:
             ranks = tie.ranks(pipeline)

@@ -1,0 +1,113 @@
+"""The store the ledgers and heartbeats travel through: torch's c10d ``TCPStore``, never one that a rank's own
+process serves.
+
+Under torchrun (and ``accelerate launch``, which runs torchrun's agent) the elastic agent serves the job's store in
+its own process (``TORCHELASTIC_USE_AGENT_STORE=True``): the guard talks to it as one more client. Elsewhere (the
+``deepspeed`` launcher, a hand launch, ``mp.spawn``) rank 0's process serves the rendezvous store, and a stopped
+rank 0 freezes it: measured here, a client's ``add`` to a TCPStore whose server process got SIGSTOP waits forever (the
+client's timeout does not bound it). So rank 0 forks a small child that serves a TCPStore of its own
+(:class:`StoreServer`), before any process group (and its threads) exists, and publishes its port through the
+rendezvous store once the group is up; the child serves on when rank 0 stops or dies, long enough for the others to
+report, and ends with its parent.
+
+Keys live under ``plugin-watchdog/<run>/`` (:func:`plugin.watchdog.settings.run_id`), so a restart of the same job
+(torchrun's restart count is part of ``<run>``) never reads a previous attempt's ledgers.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+
+ADDRESS_KEY = "plugin-watchdog/store"
+
+
+def agent_serves_store(environ: Mapping[str, str]) -> bool:
+    """Whether the launcher's agent (torchrun's) serves the rendezvous store in a process of its own."""
+    return environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+class StoreServer:
+    """A ``TCPStore`` served by a forked child of rank 0: ``port``; :meth:`stop` ends it."""
+
+    def __init__(self, pid: int, port: int):
+        self.pid, self.port = pid, port
+
+    @classmethod
+    def start(cls, linger_s: float) -> StoreServer:
+        """Fork the server (call before any process group exists: the child must not inherit their threads). Once
+        its parent is gone it serves ``linger_s`` more seconds (the survivors' reports), then exits."""
+        read, write = os.pipe()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the child: serve, watch the parent, never return into the caller's code
+            code = 1
+            try:
+                os.close(read)
+                _serve(write, parent, linger_s)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        with os.fdopen(read, "rb") as f:
+            word = f.read().decode()
+        if not word.isdigit():
+            os.waitpid(pid, 0)
+            raise RuntimeError(f"the watchdog's store did not start: {word or 'no port'}")
+        return cls(pid, int(word))
+
+    def stop(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+def _serve(write_fd: int, parent: int, linger_s: float) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):  # whatever handlers the training script installed are not ours
+        signal.signal(sig, signal.SIG_DFL)
+    null = os.open(os.devnull, os.O_RDWR)  # a lingering child must not hold the launcher's pipes open
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    try:
+        from torch.distributed import TCPStore
+
+        server = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        os.write(write_fd, str(server.port).encode())
+    except Exception as e:  # the parent reads the reason instead of a port
+        os.write(write_fd, f"{type(e).__name__}: {e}".encode()[:500])
+        raise
+    finally:
+        os.close(write_fd)
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    time.sleep(linger_s)
+
+
+def connect(host: str, port: int, prefix: str, timeout_s: float = 30.0):
+    """A client of the store at ``host:port``, its keys under ``prefix``."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return PrefixStore(prefix, client)
+
+
+def guard_store(environ: Mapping[str, str], rank: int, server: StoreServer | None, prefix: str,
+                timeout_s: float):
+    """``(store, "host:port")`` for this rank's guard, once the default process group exists: the agent's store, or
+    the one rank 0's :class:`StoreServer` serves (its port published through the rendezvous store)."""
+    import torch.distributed as dist
+
+    host = environ.get("MASTER_ADDR", "127.0.0.1")
+    if agent_serves_store(environ):
+        port = int(environ["MASTER_PORT"])
+    else:
+        rendezvous = dist.distributed_c10d._get_default_store()
+        if rank == 0:
+            assert server is not None, "rank 0 starts the watchdog's store server before any process group"
+            rendezvous.set(ADDRESS_KEY, str(server.port))
+        port = int(rendezvous.get(ADDRESS_KEY).decode())
+    return connect(host, port, prefix, timeout_s), f"{host}:{port}"
