@@ -11,10 +11,10 @@ non-ignored target token of the global batch, across micro-batches, data ranks a
 padded batches of uneven lengths train what one process trains. A user ``loss_fn`` is taken per micro-batch and
 averaged over micro-batches and data ranks (each micro-batch weighs the same).
 
-The data contract (:mod:`plugin.engines.data_contract`): the ranks of one model replica (tensor peers, pipeline stages)
-must hold the same rows. Every back end reaches its batch through :meth:`Engine.local_batch` (directly, or
-through :meth:`Engine.micro_batches`), which checks it on every step of a layout with tensor or pipeline > 1,
-so one check covers them all. :meth:`Engine.dataloader` yields rows that keep it.
+The data contract (:mod:`plugin.engines.data_contract`): the global batch the same on every rank, or each data rank's
+own share, the same on the ranks of one model replica (tensor peers, pipeline stages). Every back end reaches its
+batch through :meth:`Engine.local_batch` (directly, or through :meth:`Engine.micro_batches`), which checks it on
+every step of every layout, so one check covers them all. :meth:`Engine.dataloader` yields rows that keep it.
 
 What each step did is :attr:`Engine.last_step` (a :class:`plugin.monitor.record.StepReport`: loss, lr, the gradient
 norm the back end clipped with, tokens, time, memory, MFU): :meth:`Engine.train_step` wraps the back end's
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..errors import PluginError
 from .batches import HF, map_tensors, micro_batches, rows_of, shard_rows, split_batch, target_count
-from .data_contract import check_same_rows
+from .data_contract import BatchMismatchError, start_exchange
 
 
 def _convention_suspect(inputs, labels, convention: str) -> int:
@@ -238,60 +238,68 @@ class Engine(abc.ABC):
         """This data rank's share of ``batch`` (given whole, or already split) as ``(inputs, labels)``, on the
         engine's device, its inputs as the module takes them (:meth:`to_inputs`); labels keep their dtype.
 
-        With tensor or pipeline > 1, the share's fingerprint is compared over the model replica first
-        (:func:`plugin.engines.data_contract.check_same_rows`, one all-gather of 3 int64 per rank over the world): a
-        mismatch, or a wrong row count on any rank, raises on every rank before anything is trained.
-        Then the default loss is told the step's token count (:meth:`prepare_loss`)."""
+        First the data contract (:mod:`plugin.engines.data_contract`), on every layout: one all-reduce over the world
+        of each rank's fingerprint of what it was given and its share's target tokens; rows that break the contract,
+        or a wrong row count on any rank, raise :class:`~plugin.engines.data_contract.BatchMismatchError` on every
+        rank before anything is trained. The same all-reduce gives the default loss the step's token count
+        (:meth:`prepare_loss`)."""
         call = call or ("train_step" if torch.is_grad_enabled() else "eval_step")  # every eval_step runs no_grad
         inputs, labels, convention = split_batch(batch)
         rows = rows_of(inputs)
         lay = self.layout
         local_rows = lay.micro_batch * lay.grad_accum
-        wrong = None
+        given = (inputs, labels)
+        wrong = rows not in (lay.global_batch, local_rows)
         whole = None
-        # At data 1 the global batch is the local share: nothing to cut, and the check below sees the same rows.
+        # At data 1 the global batch is the local share: nothing to cut.
         if rows == lay.global_batch and rows != local_rows:
             whole = labels
             inputs, labels = shard_rows((inputs, labels), self.dp_rank, lay.data)
-        elif rows != local_rows:
-            wrong = (f"{call} got {rows} rows; expected the global batch ({lay.global_batch}) or this rank's share "
-                     f"(micro {lay.micro_batch} x grad_accum {lay.grad_accum} = {local_rows})")
         inputs = map_tensors(inputs, lambda t: t.to(self.device, non_blocking=True))
         labels = labels.to(self.device, non_blocking=True)
-        if lay.tensor * lay.pipeline > 1 and self.check_peer_rows:  # no peers at tensor = pipeline = 1
-            check_same_rows(None if wrong else (inputs, labels), rows, self.topology, call=call,
-                            global_rows=lay.global_batch, local_rows=local_rows, device=self.device)
-        if wrong:
-            raise ValueError(wrong)
         self._step_tokens = whole.numel() if whole is not None else labels.numel() * lay.data  # the global batch's
-        self.prepare_loss(labels, convention, whole, inputs=inputs if call == "train_step" else None)
+        first = inputs if call == "train_step" and not wrong else None
+        if not self.check_peer_rows:  # bench/data_contract.py's baseline: the loss's own count, as before the check
+            if wrong:
+                raise BatchMismatchError(f"{call} got {rows} rows; expected the global batch ({lay.global_batch}) or "
+                                         f"this rank's share ({local_rows})")
+            self.prepare_loss(labels, convention, whole, inputs=first)
+            return self.to_inputs(inputs), labels
+        tokens = torch.zeros((), dtype=torch.int64) if wrong else target_count(labels, convention)
+        suspect = self._suspect(first, labels, convention)
+        exchange = start_exchange(None if wrong else given, rows, tokens, suspect, self.topology, self.dp_rank,
+                                  global_rows=lay.global_batch, local_rows=local_rows, device=self.device)
+        n, suspect = exchange.finish(call)
+        self.prepare_loss(labels, convention, whole, n=n, suspect=suspect)
         return self.to_inputs(inputs), labels
 
-    def prepare_loss(self, labels, convention: str, whole=None, inputs=None) -> None:
-        """Give the default loss (one with ``prepare``) this step's denominator ``N / (data x grad_accum)``, ``N``
-        the non-ignored targets of the global batch: counted on ``whole`` when the step was given the global
-        batch, else this share's count summed over the data group (one int64 all-reduce; every rank is in one
-        data group, so every stage takes part). ``N == 0`` raises on every rank alike.
+    def _suspect(self, inputs, labels, convention: str) -> int:
+        """1 when the first train_step's (``inputs`` given) labels look like the other convention's, else 0."""
+        return _convention_suspect(inputs, labels, convention) if inputs is not None and self.step_count == 0 else 0
 
-        On the first ``train_step`` (``inputs`` given) the labels' convention is checked too, since a wrong one
-        trains without any error: tuple labels equal to the inputs (the model would learn to copy its input), or
-        dict labels equal to ``input_ids`` shifted by one (shifted twice). The verdict travels with the count, so
-        every rank raises alike."""
+    def prepare_loss(self, labels, convention: str, whole=None, inputs=None, *, n: int | None = None,
+                     suspect: int | None = None) -> None:
+        """Give the default loss (one with ``prepare``) this step's denominator ``N / (data x grad_accum)``, ``N``
+        the non-ignored targets of the global batch: ``n`` when the data contract's all-reduce summed it, else
+        counted on ``whole`` when the step was given the global batch, else this share's count summed over the
+        data group (one int64 all-reduce). ``N == 0`` raises on every rank alike.
+
+        On the first ``train_step`` (``inputs`` given, or ``suspect`` from the all-reduce: any rank's) the labels'
+        convention is checked too, since a wrong one trains without any error: tuple labels equal to the inputs (the
+        model would learn to copy its input), or dict labels equal to ``input_ids`` shifted by one (shifted twice)."""
         loss_fn = self.loss_fn
         if not hasattr(loss_fn, "prepare"):
             return
         lay = self.layout
-        suspect = 0
-        if inputs is not None and self.step_count == 0:
-            suspect = _convention_suspect(inputs, labels, convention)
-        if whole is not None or lay.data == 1:
-            count = torch.stack([target_count(whole if whole is not None else labels, convention),
-                                 torch.tensor(suspect, dtype=torch.int64, device=labels.device)])
-        else:
+        if suspect is None:
+            suspect = self._suspect(inputs, labels, convention)
+        if n is None and (whole is not None or lay.data == 1):
+            n = int(target_count(whole if whole is not None else labels, convention))
+        elif n is None:
             count = torch.stack([target_count(labels, convention).to(self.device),
                                  torch.tensor(suspect, dtype=torch.int64, device=self.device)])
             torch.distributed.all_reduce(count, group=self.groups.data_group)
-        n, suspect = (int(v) for v in count.tolist())
+            n, suspect = (int(v) for v in count.tolist())
         if suspect and convention == HF:
             raise PluginError("the dict batch's labels look already shifted (labels[:, t] == input_ids[:, t + 1]): "
                               "dict batches take labels = input_ids, shifted inside the loss -> pass "
