@@ -64,6 +64,13 @@ class Engine(abc.ABC):
     lr_schedule = None
     last_step = None
     _step_tokens: int = 0
+    _rows = None  # the data contract's check in flight: local_batch starts it, rows_checked waits for it
+    # True when the module's forward makes no collective across data replicas (DDP of a model without buffers,
+    # DeepSpeed ZeRO-0-2 without pipelines): at tensor = pipeline = 1 the data contract's verdict then waits until the
+    # first backward (rows_checked), its collective running behind the forward
+    forward_is_local: bool = False
+    # this rank's wish to stop (plugin.job sets it): last_step.stop_requested is then any rank's, the same everywhere
+    stop_request: Callable[[], bool] | None = None
     _meter = None
 
     def __init__(self, recipe, layout, topology, groups, module: torch.nn.Module, device: torch.device):
@@ -80,16 +87,19 @@ class Engine(abc.ABC):
         """One optimizer step over ``batch``; returns the global batch's mean loss (equal on every rank).
 
         The back end's :meth:`_train_step` runs the step; then the recipe's ``lr_schedule`` moves to the next step and
-        :attr:`last_step` records what this one did (one small all-reduce for the largest memory of any rank)."""
+        :attr:`last_step` records what this one did (one small all-reduce for the largest memory of any rank, which
+        also tells every rank whether any :attr:`stop_request` is set: ``last_step.stop_requested``)."""
         start = time.perf_counter()
         lr = self.current_lr()  # what this step's update uses: the schedule set it after the previous step
         loss = self._train_step(batch)
+        assert self._rows is None, f"{type(self).__name__} stepped before the data contract's verdict (rows_checked)"
         seconds = time.perf_counter() - start
         if self.lr_schedule is not None:
             self.lr_schedule.step()
         norm = self.grad_norm()
         self.last_step = self.meter.report(step=self.step_count, loss=loss, lr=lr, seconds=seconds,
-                                           grad_norm=None if norm is None else float(norm), tokens=self._step_tokens)
+                                           grad_norm=None if norm is None else float(norm), tokens=self._step_tokens,
+                                           stop=self.stop_request is not None and self.stop_request())
         return loss
 
     def _train_step(self, batch) -> float:
@@ -238,11 +248,17 @@ class Engine(abc.ABC):
         """This data rank's share of ``batch`` (given whole, or already split) as ``(inputs, labels)``, on the
         engine's device, its inputs as the module takes them (:meth:`to_inputs`); labels keep their dtype.
 
-        First the data contract (:mod:`plugin.engines.data_contract`), on every layout: one all-reduce over the world
-        of each rank's fingerprint of what it was given and its share's target tokens; rows that break the contract,
-        or a wrong row count on any rank, raise :class:`~plugin.engines.data_contract.BatchMismatchError` on every
-        rank before anything is trained. The same all-reduce gives the default loss the step's token count
-        (:meth:`prepare_loss`)."""
+        It starts the data contract's check (:mod:`plugin.engines.data_contract`), on every layout: one collective
+        that gives every rank every rank's fingerprint of what it was given and its share's target tokens. Rows that
+        break the
+        contract, or a wrong row count on any rank, raise
+        :class:`~plugin.engines.data_contract.BatchMismatchError` on every rank before anything is trained. A
+        ``train_step`` given the global batch (whose token count every rank knows) on a back end whose forward
+        makes no collective across data replicas (:attr:`forward_is_local`), at tensor = pipeline = 1, does not wait
+        for it: the back end calls :meth:`rows_checked` before its first backward, so the collective runs behind the
+        first forward. Otherwise (an ``eval_step``; a share, whose count the default loss needs summed over the data
+        ranks: that sum is the same collective's; tensor or pipeline peers, whose forward must not start on rows of
+        another shape) it waits here."""
         call = call or ("train_step" if torch.is_grad_enabled() else "eval_step")  # every eval_step runs no_grad
         inputs, labels, convention = split_batch(batch)
         rows = rows_of(inputs)
@@ -263,43 +279,52 @@ class Engine(abc.ABC):
             if wrong:
                 raise BatchMismatchError(f"{call} got {rows} rows; expected the global batch ({lay.global_batch}) or "
                                          f"this rank's share ({local_rows})")
-            self.prepare_loss(labels, convention, whole, inputs=first)
+            self._count_before_the_check(labels, convention, whole, first)
             return self.to_inputs(inputs), labels
         tokens = torch.zeros((), dtype=torch.int64) if wrong else target_count(labels, convention)
-        suspect = self._suspect(first, labels, convention)
-        exchange = start_exchange(None if wrong else given, rows, tokens, suspect, self.topology, self.dp_rank,
-                                  global_rows=lay.global_batch, local_rows=local_rows, device=self.device)
-        n, suspect = exchange.finish(call)
-        self.prepare_loss(labels, convention, whole, n=n, suspect=suspect)
+        exchange = start_exchange(None if wrong else given, rows, tokens, self._suspect(first, labels, convention),
+                                  self.topology, global_rows=lay.global_batch, local_rows=local_rows,
+                                  device=self.device)
+        self._rows = (exchange, call, convention)
+        # wait now unless nothing before the first backward needs the verdict: the count is known here, and no
+        # collective in the forward could meet a peer that already refused (module docstring of data_contract)
+        later = self.forward_is_local and lay.tensor * lay.pipeline == 1 and (whole is not None or lay.data == 1)
+        if call == "train_step" and not wrong and later:
+            self._give_loss(int(target_count(whole if whole is not None else labels, convention)), convention)
+        else:
+            self.rows_checked()
         return self.to_inputs(inputs), labels
+
+    def rows_checked(self) -> None:
+        """Wait for the data contract's all-reduce that :meth:`local_batch` started, and raise on every rank when the
+        rows break it, or their labels fail the checks of :meth:`prepare_loss`; then nothing is pending (a second
+        call returns at once). Every back end calls it before its first backward (a pipeline: before its schedule),
+        so nothing is trained before the verdict; :meth:`train_step` asserts it did."""
+        pending, self._rows = self._rows, None
+        if pending is None:
+            return
+        exchange, call, convention = pending
+        n, suspect = exchange.finish(call)
+        self.prepare_loss(n, suspect, convention)
 
     def _suspect(self, inputs, labels, convention: str) -> int:
         """1 when the first train_step's (``inputs`` given) labels look like the other convention's, else 0."""
         return _convention_suspect(inputs, labels, convention) if inputs is not None and self.step_count == 0 else 0
 
-    def prepare_loss(self, labels, convention: str, whole=None, inputs=None, *, n: int | None = None,
-                     suspect: int | None = None) -> None:
-        """Give the default loss (one with ``prepare``) this step's denominator ``N / (data x grad_accum)``, ``N``
-        the non-ignored targets of the global batch: ``n`` when the data contract's all-reduce summed it, else
-        counted on ``whole`` when the step was given the global batch, else this share's count summed over the
-        data group (one int64 all-reduce). ``N == 0`` raises on every rank alike.
+    def _give_loss(self, n: int, convention: str) -> None:
+        """The default loss's (one with ``prepare``) denominator for this step: ``N / (data x grad_accum)``."""
+        if hasattr(self.loss_fn, "prepare"):
+            self.loss_fn.prepare(n / (self.layout.data * self.layout.grad_accum), convention)
 
-        On the first ``train_step`` (``inputs`` given, or ``suspect`` from the all-reduce: any rank's) the labels'
-        convention is checked too, since a wrong one trains without any error: tuple labels equal to the inputs (the
-        model would learn to copy its input), or dict labels equal to ``input_ids`` shifted by one (shifted twice)."""
-        loss_fn = self.loss_fn
-        if not hasattr(loss_fn, "prepare"):
+    def prepare_loss(self, n: int, suspect: int, convention: str) -> None:
+        """Check the step's labels and give the default loss (one with ``prepare``) its denominator ``N / (data x
+        grad_accum)``, ``N`` = ``n``, the non-ignored targets of the global batch; ``suspect``: whether any rank's
+        labels looked like the other convention's. Both are the world's (the data contract's all-reduce), so every
+        rank raises alike: on ``N == 0``, and on the first ``train_step`` when the labels' convention looks wrong,
+        since a wrong one trains without any error: tuple labels equal to the inputs (the model would learn to copy
+        its input), or dict labels equal to ``input_ids`` shifted by one (shifted twice)."""
+        if not hasattr(self.loss_fn, "prepare"):
             return
-        lay = self.layout
-        if suspect is None:
-            suspect = self._suspect(inputs, labels, convention)
-        if n is None and (whole is not None or lay.data == 1):
-            n = int(target_count(whole if whole is not None else labels, convention))
-        elif n is None:
-            count = torch.stack([target_count(labels, convention).to(self.device),
-                                 torch.tensor(suspect, dtype=torch.int64, device=self.device)])
-            torch.distributed.all_reduce(count, group=self.groups.data_group)
-            n, suspect = (int(v) for v in count.tolist())
         if suspect and convention == HF:
             raise PluginError("the dict batch's labels look already shifted (labels[:, t] == input_ids[:, t + 1]): "
                               "dict batches take labels = input_ids, shifted inside the loss -> pass "
@@ -312,7 +337,23 @@ class Engine(abc.ABC):
             raise PluginError(f"step {self.step_count + 1}: the global batch has no target token (every label is "
                               "-100" + (", and the shift drops each row's first label" if convention == HF else "")
                               + ") -> check the labels' padding")
-        loss_fn.prepare(n / (lay.data * lay.grad_accum), convention)
+        self._give_loss(n, convention)
+
+    def _count_before_the_check(self, labels, convention: str, whole, inputs) -> None:
+        """What the loss's count cost before the data contract carried it (``check_peer_rows`` off, the bench's
+        baseline): counted on ``whole`` (or at data 1), else this share's count summed over the data group."""
+        if not hasattr(self.loss_fn, "prepare"):
+            return
+        if whole is not None or self.layout.data == 1:
+            n = int(target_count(whole if whole is not None else labels, convention))
+            suspect = self._suspect(inputs, labels, convention)
+        else:
+            count = torch.stack([target_count(labels, convention).to(self.device),
+                                 torch.tensor(self._suspect(inputs, labels, convention), dtype=torch.int64,
+                                              device=self.device)])
+            dist.all_reduce(count, group=self.groups.data_group)
+            n, suspect = (int(v) for v in count.tolist())
+        self.prepare_loss(n, suspect, convention)
 
     def micro_batches(self, batch, call: str | None = None) -> list:
         return micro_batches(self.local_batch(batch, call), self.layout.grad_accum)

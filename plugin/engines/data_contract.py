@@ -14,13 +14,16 @@ global batch and others their share) is refused too. A refusal is a :class:`Batc
 with the same message, before anything trains.
 
 How cheap: each rank contributes its fingerprint (:func:`fingerprint`: the row count and one digest each of the
-inputs and of the labels it was given) and its share's target-token count to ONE all-reduce (MAX) over the world
-(:func:`start_exchange`): data rank ``d``'s slot holds the largest and (as a bitwise NOT) the smallest value of each
-field over the ranks of replica ``d``, every other slot the identity. Every rank then holds every replica's range
-and reaches the same verdict with a few tensor operations (:func:`verdict`); the token count of the global batch,
-which the default loss needs, is the sum of the replicas' counts, so this all-reduce replaces the one over the data
-group the loss made before. Only on a refusal does a second collective gather every rank's fingerprint to name the
-ranks (:func:`mismatch_message`, pure). ``bench/data_contract.py`` measures the cost against a step.
+inputs and of the labels it was given), its share's target-token count and the labels' suspect to ONE collective,
+one round (:func:`start_exchange`), after which every rank holds every rank's and reaches the same verdict with a
+few tensor operations (:func:`verdict`), and the same message if it refuses (:func:`mismatch_message`, pure). The
+token count of the global batch, which the default loss needs, is the sum of the replicas' counts, so where a rank
+was given its share this collective replaces the all-reduce over the data group the loss made before. Where the
+step's count is known without it (the global batch given, or data 1) and its forward makes no collective across
+data replicas (pure data parallelism on DDP or DeepSpeed ZeRO-0-2), the back end waits for the verdict only before
+its first backward (:meth:`plugin.engines.base.Engine.rows_checked`), so the collective runs behind the forward.
+With tensor or pipeline > 1 it is waited for before the forward: peers given rows of other shapes would otherwise
+meet in the forward's collectives with buffers of other sizes. ``bench/data_contract.py`` measures the cost.
 
 A digest is exact integer arithmetic on the tensor's bits (no float rounding, NaN equals itself): the bits
 read as integers of the element's width, times fixed pseudo-random odd 64-bit weights, one per position,
@@ -42,10 +45,9 @@ from ..errors import PluginError
 from .batches import flat_tensors
 
 FIELDS = 3  # per rank: rows given, digest of the inputs, digest of the labels (and any further tensors)
-_SLOT = FIELDS + 1  # ... and the target tokens of its share, in the all-reduce
+SLOT = FIELDS + 2  # ... and, in the exchange, the target tokens of its share and the labels' suspect (0 or 1)
 _MAX_LISTED = 3  # mismatching data replicas spelled out in the message; the rest are counted
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_LOWEST = -2 ** 63  # the identity of MAX on int64
 
 
 class BatchMismatchError(PluginError, ValueError):
@@ -189,83 +191,70 @@ def mismatch_message(values: Sequence[Sequence[int]], topology, *, call: str, gl
 
 
 def verdict(table: torch.Tensor, topology, *, global_rows: int, local_rows: int) -> torch.Tensor:
-    """``[ok, global target tokens, suspect]`` (int64, on ``table``'s device) from the all-reduced ``table`` of
-    :func:`start_exchange`, in a few tensor operations (a Python pass over thousands of ranks would cost
-    milliseconds a step); ``ok`` exactly when :func:`mismatch_message` would find nothing."""
-    slots = table[:-1].view(topology.dp_size, 2, _SLOT)
-    high, low = slots[:, 0], ~slots[:, 1]  # per replica: the largest and the smallest value of each field
-    agree = (high == low).all()
-    rows = high[:, 0]
-    prints = high[:, 1:FIELDS]
+    """``[ok, global target tokens, suspect]`` (int64, on ``table``'s device) from the gathered ``table`` (``[world,
+    SLOT]``: every rank's :func:`fingerprint`, share tokens and suspect, rank order), in a few tensor operations (a
+    Python pass over thousands of ranks would cost milliseconds a step); ``ok`` exactly when
+    :func:`mismatch_message` would find nothing.
+
+    Ranks are ordered (pipeline, data, tensor), tensor fastest, so one model replica is ``[:, d, :]`` of the table
+    viewed as ``[pipeline, data, tensor, SLOT]``; its ranks agree when all equal its first."""
+    grid = table.view(topology.pp_size, topology.dp_size, topology.tp_size, SLOT)
+    first = grid[0, :, 0]  # each replica's first rank: [data, SLOT]
+    agree = (grid[..., :FIELDS] == first[None, :, None, :FIELDS]).all()
+    rows, prints = first[:, 0], first[:, 1:FIELDS]
     if global_rows == local_rows:
         kind_ok = (rows == global_rows).all()
     else:
-        every_global = (rows == global_rows).all()
-        every_share = (rows == local_rows).all()
-        same = (prints == prints[:1]).all()
-        distinct = torch.unique(prints, dim=0).shape[0] == topology.dp_size
-        kind_ok = (every_global & same) | (every_share & distinct)
-    ok = (agree & kind_ok).to(torch.int64)
-    return torch.stack([ok, high[:, FIELDS].sum(), table[-1]])
-
-
-def _gather_everywhere(mine: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Every rank's ``mine`` (``FIELDS`` int64), in rank order, on every rank: the refusal's second collective, to
-    name the ranks. On gloo an all-to-all (one round); on NCCL an all-gather."""
-    table = torch.empty(world_size * FIELDS, dtype=torch.int64, device=mine.device)
-    if dist.get_backend() == "gloo":
-        dist.all_to_all_single(table, mine.repeat(world_size))
-    else:
-        dist.all_gather_into_tensor(table, mine)
-    return table
-
-
-def contribution(mine: torch.Tensor, tokens, suspect: int, data_size: int, data_rank: int) -> torch.Tensor:
-    """This rank's vector for the MAX all-reduce: its fingerprint ``mine`` and share ``tokens`` in its data rank's
-    slot, once as they are and once bitwise NOT (the MAX of NOTs is the NOT of the minimum), the identity in every
-    other slot, then ``suspect``. The element-wise MAX over the world is what :func:`verdict` reads."""
-    device = mine.device
-    slot = torch.cat([mine, torch.as_tensor(tokens, dtype=torch.int64).reshape(1).to(device)])
-    table = torch.full((data_size, 2, _SLOT), _LOWEST, dtype=torch.int64, device=device)
-    table[data_rank, 0] = slot
-    table[data_rank, 1] = ~slot
-    return torch.cat([table.reshape(-1), torch.tensor([suspect], dtype=torch.int64, device=device)])
+        every_global = (rows == global_rows).all() & (prints == prints[:1]).all()
+        every_share = (rows == local_rows).all() & (torch.unique(prints, dim=0).shape[0] == topology.dp_size)
+        kind_ok = every_global | every_share
+    return torch.stack([(agree & kind_ok).to(torch.int64), first[:, FIELDS].sum(), table[:, FIELDS + 1].max()])
 
 
 class RowsExchange:
-    """One step's all-reduce, started by :func:`start_exchange`; :meth:`finish` waits for it and gives the verdict."""
+    """One step's gather of every rank's fingerprint, started by :func:`start_exchange`; :meth:`finish` waits for it
+    and gives the verdict."""
 
-    def __init__(self, mine, table, work, topology, global_rows: int, local_rows: int):
-        self.mine, self.table, self.work, self.topology = mine, table, work, topology
+    def __init__(self, table: torch.Tensor, work, topology, global_rows: int, local_rows: int):
+        self.table, self.work, self.topology = table, work, topology
         self.global_rows, self.local_rows = global_rows, local_rows
 
     def finish(self, call: str) -> tuple[int, int]:
         """``(target tokens of the global batch, suspect)`` (suspect: the most of any rank's), or raise
-        :class:`BatchMismatchError` on every rank (a collective: every rank calls it, once)."""
+        :class:`BatchMismatchError` (every rank reaches the same verdict from the same table; no further collective)."""
         if self.work is not None:
             self.work.wait()
         ok, tokens, suspect = verdict(self.table, self.topology, global_rows=self.global_rows,
                                       local_rows=self.local_rows).tolist()  # one read back to the host
         if ok:
             return tokens, suspect
-        flat = _gather_everywhere(self.mine, self.topology.world_size).tolist()
-        values = [flat[r * FIELDS:(r + 1) * FIELDS] for r in range(self.topology.world_size)]
+        values = [row[:FIELDS] for row in self.table.tolist()]
         message = mismatch_message(values, self.topology, call=call, global_rows=self.global_rows,
                                    local_rows=self.local_rows)
         assert message, "verdict and mismatch_message disagree"
         raise BatchMismatchError(message)
 
 
-def start_exchange(given, rows: int, tokens, suspect: int, topology, data_rank: int, *, global_rows: int,
-                   local_rows: int, device: torch.device, wait: bool = True) -> RowsExchange:
-    """Start the step's one all-reduce (MAX, world) of this rank's fingerprint of ``given`` (what it was passed, None
-    when its ``rows`` count is already wrong), the target ``tokens`` of its share (an int64 scalar) and ``suspect``
-    (0 or 1: the labels look like the other convention). ``wait`` False returns before the all-reduce is done
-    (``async_op``): :meth:`RowsExchange.finish` then waits. Every rank calls it, in the same place of its step.
-    ``device``: where the process group's tensors live (the engine's device)."""
-    mine = fingerprint(given, rows).to(device)
-    table = contribution(mine, tokens, suspect, topology.dp_size, data_rank)
-    work = None
-    if topology.world_size > 1:
-        work = dist.all_reduce(table, op=dist.ReduceOp.MAX, async_op=not wait)
-    return RowsExchange(mine, table, work, topology, global_rows, local_rows)
+def start_exchange(given, rows: int, tokens, suspect: int, topology, *, global_rows: int, local_rows: int,
+                   device: torch.device) -> RowsExchange:
+    """Start the step's one collective, which gives every rank every rank's fingerprint of ``given`` (what it was
+    passed, None when its ``rows`` count is already wrong), the target ``tokens`` of its share (an int64 scalar) and
+    ``suspect`` (0 or 1: the labels look like the other convention), and return before it is done
+    (``async_op``): :meth:`RowsExchange.finish` waits. Every rank calls it, in the same place of its step.
+
+    On gloo an all-to-all (each rank sends its ``SLOT`` int64 to every other at once: one round), measured here at
+    a quarter to a half of an all-reduce's latency (a ring of ``2 (world - 1)`` rounds) and of gloo's all-gather; its
+    world x world messages are no matter at the sizes gloo runs. On NCCL, whose all-gather is one ring kernel on the
+    communicator it already holds, an all-gather. ``device``: where the process group's tensors live."""
+    mine = torch.cat([fingerprint(given, rows).to(device),
+                      torch.as_tensor(tokens, dtype=torch.int64).reshape(1).to(device),
+                      torch.tensor([suspect], dtype=torch.int64, device=device)])
+    world = topology.world_size
+    if world == 1:
+        return RowsExchange(mine.view(1, SLOT), None, topology, global_rows, local_rows)
+    table = torch.empty(world * SLOT, dtype=torch.int64, device=device)
+    if dist.get_backend() == "gloo":
+        work = dist.all_to_all_single(table, mine.repeat(world), async_op=True)
+    else:
+        work = dist.all_gather_into_tensor(table, mine, async_op=True)
+    return RowsExchange(table.view(world, SLOT), work, topology, global_rows, local_rows)

@@ -15,6 +15,12 @@ host for its own (``ssh HOST hostname -I``), with its default port.
 
 Relative paths (the recipe, the hostfile, train.py's own arguments) are the caller's: launch.sh does not
 change directory, and the recipe reaches train.py as an absolute path.
+
+A ``--save DIR`` that another live job holds (or, without ``--resume``, that holds another run's complete
+checkpoints) is refused before any launcher starts (:func:`plugin.job.lock.save_refusal`). The launcher then runs
+as launch.sh's child (:mod:`plugin.job.supervise`): a SIGINT or SIGTERM to launch.sh reaches every worker, which
+stops at its next step boundary (saving it with ``--save``), and nothing of the launcher's tree outlives it.
+``PLUGIN_RUN_ID`` (the job's run id, made here unless set) names the job in its ``--save`` lock.
 """
 from __future__ import annotations
 
@@ -29,6 +35,8 @@ from pathlib import Path
 
 from ..errors import Problem
 from ..interop.precision import PRECISIONS
+from ..job import supervise
+from ..job.lock import new_run_id, save_refusal
 from ..recipe.checks import validate
 from .hostfile import HostfileError, read_hostfile
 from .machine import Machine
@@ -277,5 +285,22 @@ def main(argv: list[str] | None = None, machine: Machine | None = None) -> int:
     if req.dry_run:
         print(shown)
         return 0
+    save = _train_option(req.train_args, "--save")
+    if save and req.node_rank == 0:  # before any launcher starts: refused in milliseconds, once
+        refused = save_refusal(save, resume=_train_option(req.train_args, "--resume") is not None)
+        if refused:
+            print(refused, file=sys.stderr)
+            return 2
+    env.setdefault("PLUGIN_RUN_ID", os.environ.get("PLUGIN_RUN_ID") or new_run_id())  # the job's id (its --save lock)
     print(f"+ {shown}", file=sys.stderr, flush=True)
-    os.execvpe(cmd[0], cmd, {**os.environ, **env})
+    return supervise.run(cmd, {**os.environ, **env})  # the launcher as a child: a stop reaches the workers
+
+
+def _train_option(args: list[str], name: str) -> str | None:
+    """The value of train.py's ``name DIR`` (or ``name=DIR``) among ``args``, else None."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg[len(name) + 1:]
+    return None

@@ -199,12 +199,10 @@ def test_collate_fn_output_is_yielded_as_it_returns_it():
 
 
 def _reduced(topo, values, tokens=None):
-    """The MAX all-reduce of every rank's contribution, done in one process."""
-    from plugin.engines.data_contract import contribution
-
+    """The exchange's table as every rank holds it after the collective: each rank's fingerprint, share tokens and
+    suspect (0), rank order."""
     tokens = tokens or [7] * topo.world_size
-    return torch.stack([contribution(torch.tensor(v), tokens[r], 0, topo.dp_size, topo.coord(r).dp)
-                        for r, v in enumerate(values)]).max(0).values
+    return torch.tensor([list(v) + [tokens[r], 0] for r, v in enumerate(values)], dtype=torch.int64)
 
 
 def _ok(topo, values, global_rows, local_rows):
@@ -214,7 +212,7 @@ def _ok(topo, values, global_rows, local_rows):
 
 
 def test_the_fast_verdict_agrees_with_the_message_on_every_kind_of_case():
-    """The step decides with verdict (tensor ops on the all-reduced table) and only then builds the message: both
+    """The step decides with verdict (tensor ops on the gathered table) and only then builds the message: both
     must agree, on every layout and every kind of case."""
     topo = Topology(pp_size=2, dp_size=3, tp_size=2)
     x, y = _tokens()
