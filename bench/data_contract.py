@@ -92,16 +92,15 @@ def worker(steps: int, calls: int) -> None:
             engine.check_peer_rows = True
             inputs, labels = data.global_batch(0, lay.global_batch)
             local_rows = lay.micro_batch * lay.grad_accum
-            mine = slice(engine.data_rank * local_rows, (engine.data_rank + 1) * local_rows)  # this data rank's
-            share = (inputs[mine], labels[mine])
+            cut = slice(engine.data_rank * local_rows, (engine.data_rank + 1) * local_rows)  # this data rank's
+            share = (inputs[cut], labels[cut])
             tokens = target_count(share[1], "shifted")
             blocking = []
             for _ in range(calls):
                 dist.barrier()
                 begin = time.perf_counter()
-                start_exchange(share, local_rows, tokens, 0, engine.topology, engine.data_rank,
-                               global_rows=lay.global_batch, local_rows=local_rows,
-                               device=engine.device).finish("bench")
+                start_exchange(share, local_rows, tokens, 0, engine.topology, global_rows=lay.global_batch,
+                               local_rows=local_rows, device=engine.device).finish("bench")
                 blocking.append(time.perf_counter() - begin)
             pairs = [a - b for a, b in zip(times[True], times[False], strict=True)]  # with minus without, pair by pair
             mine = {"with": statistics.median(times[True]), "without": statistics.median(times[False]),
