@@ -9,7 +9,8 @@ themselves (:func:`workers`: the topmost processes of the launcher's tree with `
 their DataLoader workers or compilers), which stop at the next step boundary and save it (:mod:`.interrupt`), exit,
 and let their launcher end as after a finished run. A second SIGINT is passed on too (the workers then stop at
 once). launch.sh is the child subreaper of the launcher's tree (orphans stay its descendants): whatever of the tree
-is still there ``grace_s`` after the first signal, or ``grace_s`` after the launcher has exited, is killed (SIGKILL):
+is still there a second after the workers it stopped have ended (the launcher: nothing left for it to run), or
+``grace_s`` after the first signal, or ``grace_s`` after the launcher has exited, is killed (SIGKILL):
 no orphan. launch.sh then exits with 128 + the signal's number. Linux (``/proc``, ``prctl``); elsewhere the signal
 goes to the launcher's whole process group instead.
 """
@@ -25,6 +26,7 @@ from .interrupt import GRACE_S
 
 POLL_S = 0.5
 MARGIN_S = 5.0  # after the workers' own grace: they end themselves first
+AFTER_S = 1.0  # once the signalled workers have ended, the time their launcher gets to end on its own
 
 
 def _processes() -> dict[int, tuple[int, int]]:
@@ -112,6 +114,8 @@ class _Supervisor:
         self.proc, self.grace_s, self.has_proc = proc, grace_s, has_proc
         self.signum = 0
         self.first = 0.0
+        self.signalled: set[int] = set()  # the workers the stop was handed to
+        self.ended = 0.0  # when the last of them had ended
 
     def left(self) -> list[int]:
         return [p for p in tree(os.getpid()) if _alive(p)] if self.has_proc else []
@@ -122,12 +126,23 @@ class _Supervisor:
         elif signum != signal.SIGINT:
             return  # one stop at a time; only a second SIGINT means "now"
         if self.has_proc:
-            _send(workers(tree(os.getpid())), signum)
+            found = workers(tree(os.getpid()))
+            self.signalled.update(found)
+            _send(found, signum)
         else:
             try:
                 os.killpg(self.proc.pid, signum)
             except ProcessLookupError:
                 pass
+
+    def _workers_ended(self) -> bool:
+        """Whether the workers the stop was handed to have all ended, ``AFTER_S`` ago: the launcher, with nothing
+        left to run, is then killed (DeepSpeed's ``launch.py`` polls its workers once a second and its runner waits
+        for it: seconds under load; a SIGTERM would make torchrun print a traceback)."""
+        if not self.signalled or any(_alive(pid) for pid in self.signalled):
+            return False
+        self.ended = self.ended or time.monotonic()
+        return time.monotonic() - self.ended > AFTER_S
 
     def wait(self) -> int:
         while True:
@@ -136,7 +151,7 @@ class _Supervisor:
                 break
             except subprocess.TimeoutExpired:
                 pass
-            if self.signum and time.monotonic() - self.first > self.grace_s:
+            if self.signum and (time.monotonic() - self.first > self.grace_s or self._workers_ended()):
                 _send(self.left(), signal.SIGKILL)
         # the launcher has gone: whatever it left (the workers and launch.py of a DeepSpeed runner that died) ends
         # with it, once they had the time to stop at their step boundary (they see their launcher exit: .interrupt)

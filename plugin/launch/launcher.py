@@ -17,7 +17,7 @@ Relative paths (the recipe, the hostfile, train.py's own arguments) are the call
 change directory, and the recipe reaches train.py as an absolute path.
 
 A ``--save DIR`` that another live job holds (or, without ``--resume``, that holds another run's complete
-checkpoints) is refused before any launcher starts (:func:`plugin.job.lock.save_refusal`). The launcher then runs
+checkpoints) is refused first, before the recipe is read (:func:`plugin.job.lock.save_refusal`). The launcher runs
 as launch.sh's child (:mod:`plugin.job.supervise`): a SIGINT or SIGTERM to launch.sh reaches every worker, which
 stops at its next step boundary (saving it with ``--save``), and nothing of the launcher's tree outlives it.
 ``PLUGIN_RUN_ID`` (the job's run id, made here unless set) names the job in its ``--save`` lock.
@@ -37,7 +37,6 @@ from ..errors import Problem
 from ..interop.precision import PRECISIONS
 from ..job import supervise
 from ..job.lock import new_run_id, save_refusal
-from ..recipe.checks import validate
 from .hostfile import HostfileError, read_hostfile
 from .machine import Machine
 
@@ -264,6 +263,14 @@ def main(argv: list[str] | None = None, machine: Machine | None = None) -> int:
         req = parse(sys.argv[1:] if argv is None else argv)
     except SystemExit as e:
         return 0 if e.code == 0 else 1
+    save = None if req.dry_run else _train_option(req.train_args, "--save")
+    if save and req.node_rank == 0:  # first: a second job on a --save directory is refused in well under a second
+        refused = save_refusal(save, resume=_train_option(req.train_args, "--resume") is not None)
+        if refused:
+            print(refused, file=sys.stderr)
+            return 2
+    from ..recipe.checks import validate  # jsonschema: a fifth of a second, after that refusal
+
     machine = machine or Machine.detect()
     recipe, problems = validate(req.recipe)
     for p in problems:
@@ -285,12 +292,6 @@ def main(argv: list[str] | None = None, machine: Machine | None = None) -> int:
     if req.dry_run:
         print(shown)
         return 0
-    save = _train_option(req.train_args, "--save")
-    if save and req.node_rank == 0:  # before any launcher starts: refused in milliseconds, once
-        refused = save_refusal(save, resume=_train_option(req.train_args, "--resume") is not None)
-        if refused:
-            print(refused, file=sys.stderr)
-            return 2
     env.setdefault("PLUGIN_RUN_ID", os.environ.get("PLUGIN_RUN_ID") or new_run_id())  # the job's id (its --save lock)
     print(f"+ {shown}", file=sys.stderr, flush=True)
     return supervise.run(cmd, {**os.environ, **env})  # the launcher as a child: a stop reaches the workers
