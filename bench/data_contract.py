@@ -1,16 +1,16 @@
 """What the data contract's check costs: cpu_dp4 and cpu_tp2_dp2 step time with and without it, side by side.
 
-Every ``train_step`` fingerprints what each rank was given and starts one all-reduce over the world
-(:mod:`plugin.engines.data_contract`); given the global batch (as here, and as train.py gives it), the step does not
-wait for it until its first backward (``Engine.rows_checked``), so what the check costs is the time it adds to the
-step: building and starting it, and the wait at the verdict if the all-reduce is not done by then. Here, under
-torchrun with 4 CPU processes (gloo), each back end (native, and DeepSpeed where installed) trains each recipe on the
-same global batches, the check on and off (``engine.check_peer_rows``; off, the loss counts its tokens as it did
+Every ``train_step`` fingerprints what each rank was given and starts one collective over the world (on gloo an
+all-to-all: :mod:`plugin.engines.data_contract`); given the global batch (as here, and as train.py gives it), the
+step does not wait for it until its first backward (``Engine.rows_checked``), so what the check costs is the time it
+adds to the step: building and starting it, and the wait at the verdict if the collective is not done by then. Here,
+under torchrun with 4 CPU processes (gloo), each back end (native, and DeepSpeed where installed) trains each recipe on
+the same global batches, the check on and off (``engine.check_peer_rows``; off, the loss counts its tokens as it did
 before the check) in pairs of consecutive steps, each pair in a random order (the same on every rank), so both halves
 see the same machine load; each step is timed between barriers. The table gives the median step time of each, their
 ratio, "paired diff" (the mean over pairs of the step with it minus the step without, rank 0, +- two standard
 errors: on a shared 2-core machine the step-to-step noise is several ms), and the check's own time inside the steps
-with it: "start" (fingerprint + start of the all-reduce), "wait" (blocked at the verdict), their sum per step as a
+with it: "start" (fingerprint + start of the collective), "wait" (blocked at the verdict), their sum per step as a
 share of the step without it (median over steps, the larger over ranks), and "blocking" for comparison: the median of
 ``--calls`` calls of the same check waited for at once (start + finish, as a step given shares waits), entered
 together after a barrier.

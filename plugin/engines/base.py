@@ -250,8 +250,7 @@ class Engine(abc.ABC):
 
         It starts the data contract's check (:mod:`plugin.engines.data_contract`), on every layout: one collective
         that gives every rank every rank's fingerprint of what it was given and its share's target tokens. Rows that
-        break the
-        contract, or a wrong row count on any rank, raise
+        break the contract, or a wrong row count on any rank, raise
         :class:`~plugin.engines.data_contract.BatchMismatchError` on every rank before anything is trained. A
         ``train_step`` given the global batch (whose token count every rank knows) on a back end whose forward
         makes no collective across data replicas (:attr:`forward_is_local`), at tensor = pipeline = 1, does not wait
@@ -296,7 +295,7 @@ class Engine(abc.ABC):
         return self.to_inputs(inputs), labels
 
     def rows_checked(self) -> None:
-        """Wait for the data contract's all-reduce that :meth:`local_batch` started, and raise on every rank when the
+        """Wait for the data contract's collective that :meth:`local_batch` started, and raise on every rank when the
         rows break it, or their labels fail the checks of :meth:`prepare_loss`; then nothing is pending (a second
         call returns at once). Every back end calls it before its first backward (a pipeline: before its schedule),
         so nothing is trained before the verdict; :meth:`train_step` asserts it did."""
@@ -319,7 +318,7 @@ class Engine(abc.ABC):
     def prepare_loss(self, n: int, suspect: int, convention: str) -> None:
         """Check the step's labels and give the default loss (one with ``prepare``) its denominator ``N / (data x
         grad_accum)``, ``N`` = ``n``, the non-ignored targets of the global batch; ``suspect``: whether any rank's
-        labels looked like the other convention's. Both are the world's (the data contract's all-reduce), so every
+        labels looked like the other convention's. Both are the world's (the data contract's collective), so every
         rank raises alike: on ``N == 0``, and on the first ``train_step`` when the labels' convention looks wrong,
         since a wrong one trains without any error: tuple labels equal to the inputs (the model would learn to copy
         its input), or dict labels equal to ``input_ids`` shifted by one (shifted twice)."""

@@ -120,7 +120,7 @@ class DeepSpeedEngine(Engine):
         for i, (inputs, labels) in enumerate(micro):
             loss = self.loss_fn(self.call_model(self.ds, inputs), labels)
             losses.append(loss.detach().float())
-            self.rows_checked()  # the data contract's verdict, its all-reduce run behind the first forward
+            self.rows_checked()  # the data contract's verdict, its collective run behind the first forward
             if i == len(micro) - 1:  # every loss is known: average them while the last backward runs
                 mean_loss = self.start_mean_over_data(torch.stack(losses).mean())
             self.ds.backward(loss if scale is None else loss.float() * scale)

@@ -63,7 +63,7 @@ class DataParallelEngine(NativeEngine):
             with self._before_micro_batch(i == len(micro) - 1):
                 with self.autocast():
                     loss = self.loss_fn(self.call_model(self.wrapped, inputs), labels)
-                self.rows_checked()  # the data contract's verdict, its all-reduce run behind the first forward
+                self.rows_checked()  # the data contract's verdict, its collective run behind the first forward
                 self.scale(loss / len(micro)).backward()
             losses.append(loss.detach().float())
         self.optimizer_step()
