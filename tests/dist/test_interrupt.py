@@ -2,7 +2,7 @@
 
 * SIGINT to ``launch.sh`` once a save is complete, one launch per launcher (deepspeed, torchrun, accelerate): it
   ends within 15 s, every process of its tree with it (no orphan), rank 0 prints ``interrupted at step N; saved
-  <dir>/step-N; resume with --resume <dir>`` and no traceback, and step N's checkpoint is complete. While the first
+  <dir>/step-N; resume with --resume <dir>`` and no traceback, and step N's checkpoint is complete. While the torchrun
   one trains, a second ``launch.sh`` on the same ``--save`` is refused within a second, once.
 * SIGTERM (a scheduler's preemption) to the ``deepspeed`` runner itself, not launch.sh (the runner passes nothing
   on: the workers see it exit), then ``--resume``: the losses of both segments are those of one process training
@@ -20,12 +20,17 @@ from pathlib import Path
 
 import pytest
 
+from plugin.engines.choose import importable
 from plugin.job.supervise import tree
 
 from .reference import gpt_reference
 from .runs import ROOT, cpu_env, launcher_argv, recipe_variant, release_deepspeed_shm
 
-pytestmark = [pytest.mark.dist, pytest.mark.deepspeed]
+pytestmark = [pytest.mark.dist, pytest.mark.native]
+DEEPSPEED = [pytest.mark.deepspeed, pytest.mark.skipif(not importable("deepspeed"), reason="deepspeed not installed")]
+LAUNCHERS = [pytest.param("deepspeed", marks=DEEPSPEED), "torchrun",
+             pytest.param("accelerate", marks=pytest.mark.skipif(not importable("accelerate"),
+                                                                 reason="accelerate not installed"))]
 SAVE_EVERY, LONG = 3, 400  # a run that would last minutes: the signal ends it
 
 
@@ -91,7 +96,7 @@ def _stopped_at(err: str, ckpt: str) -> int:
     return int(step)
 
 
-@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", "accelerate"])
+@pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_sigint_to_launch_sh_saves_the_step_and_leaves_nothing(launcher, tmp_path):
     recipe = _recipe(tmp_path)
     cmd = [str(ROOT / "launch.sh"), "--launcher", launcher, str(recipe), "--", "--steps", str(LONG),
@@ -99,7 +104,7 @@ def test_sigint_to_launch_sh_saves_the_step_and_leaves_nothing(launcher, tmp_pat
     log = tmp_path / "run.log"
     proc = _start(cmd, tmp_path, log)
     try:
-        if launcher == "deepspeed":  # one job per directory, asked while the first one lives
+        if launcher == "torchrun":  # one job per directory, asked while the first one lives (every suite has torchrun)
             while not (tmp_path / "ck" / "plugin-job.lock").exists():
                 assert proc.poll() is None, log.read_text()[-3000:]
                 time.sleep(0.05)
@@ -119,6 +124,8 @@ def test_sigint_to_launch_sh_saves_the_step_and_leaves_nothing(launcher, tmp_pat
     assert not (tmp_path / "ck" / "plugin-job.lock").exists()
 
 
+@pytest.mark.deepspeed
+@pytest.mark.skipif(not importable("deepspeed"), reason="deepspeed not installed")
 def test_sigterm_to_the_deepspeed_runner_then_resume_gives_one_process_s_losses(tmp_path):
     recipe = _recipe(tmp_path)
     argv = launcher_argv("deepspeed", 2)
