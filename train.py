@@ -22,12 +22,14 @@ from pathlib import Path
 import torch
 
 import plugin
-from plugin.checkpoint.directory import complete_steps
+from plugin.checkpoint.directory import step_name
 from plugin.data.text import TextBatches
 from plugin.elastic.ledger import Heartbeat
 from plugin.elastic.resume import AUTO, resume_from, resume_problem
 from plugin.elastic.world import follow_world, shared_store_warning
 from plugin.errors import PluginError, RecipeError
+from plugin.job.interrupt import GRACE_S, Interrupts
+from plugin.job.lock import JobLockedError, SaveLock, run_id, used_refusal
 from plugin.launch.launcher import check_train_script
 from plugin.monitor import tensorboard
 from plugin.monitor.console import Console
@@ -69,6 +71,9 @@ def parse_args(argv=None):
                    "--nnodes MIN:MAX, launch.sh --elastic): the recipe needs \"data\": \"auto\" and batch.global; "
                    "each start trains on the most launched processes the recipe can use, the rest exit 0 at once; "
                    "needs --save DIR and resumes as --resume auto")
+    p.add_argument("--grace", type=float, default=GRACE_S, metavar="SECONDS",
+                   help=f"after SIGINT/SIGTERM, the time to finish the step and save it (default {GRACE_S:g}; "
+                   "below the 30 s torchrun and deepspeed wait before SIGKILL)")
     p.add_argument("--model", default="gpt",
                    help="gpt: the reference GPT; llama, qwen2, mistral, gpt2: transformers models sized by the "
                    "recipe's model block; or a config.json path (random weights; must agree with the recipe); or "
@@ -131,6 +136,21 @@ def evaluate(engine, batches) -> float:
 
 def main(argv=None):
     args = parse_args(argv)
+    rank0 = os.environ.get("RANK", "0") == "0"  # before any process group: the launcher's word
+    # first: a Ctrl-C during start-up ends quietly; once training, a signal stops at the next step boundary
+    interrupts = Interrupts(grace_s=args.grace, launched="RANK" in os.environ,
+                            say=(lambda line: print(line, file=sys.stderr, flush=True)) if rank0 else None).install()
+    held = []  # the --save lock, released however this ends
+    interrupts.on_exit.append(lambda: [lock.release() for lock in held])
+    try:
+        return train(args, interrupts, held, rank0)
+    finally:
+        for lock in held:
+            lock.release()
+        interrupts.uninstall()
+
+
+def train(args, interrupts, held, rank0):
     if (args.save_every or args.keep) and not args.save:  # before any process group: every rank exits alike
         print("--save-every and --keep need --save DIR", file=sys.stderr)
         return 2
@@ -154,12 +174,17 @@ def main(argv=None):
     if args.tensorboard and tensorboard.missing():  # before any process group: every rank exits alike
         print(tensorboard.missing(), file=sys.stderr)
         return 2
-    if args.save and not args.resume:  # a fresh run's first save would drop a higher step of the run already there
-        held = complete_steps(Path(args.save))
-        if held:
-            print(f"--save {args.save}: holds the complete checkpoints of another run (steps "
-                  f"{', '.join(str(s) for s, _ in held)}); a fresh run's saves would replace them -> --resume "
-                  f"{args.save} to continue that run, or give another --save directory", file=sys.stderr)
+    if args.save:  # one job per directory: rank 0 takes its lock, before any process group (plugin.job.lock)
+        try:
+            if rank0:
+                held.append(SaveLock(args.save, run_id()).acquire())
+        except JobLockedError as e:
+            print(e, file=sys.stderr)
+            return 2
+        refused = used_refusal(args.save, resume=bool(args.resume))  # a fresh run would drop another run's steps
+        if refused:
+            if rank0:
+                print(refused, file=sys.stderr)
             return 2
     try:
         recipe = plugin.load_recipe(args.recipe)
@@ -262,7 +287,9 @@ def main(argv=None):
                                     resumed_at=start if args.resume else None) if args.tensorboard and main_rank \
         else None
     console = Console(args.steps, start, enabled=main_rank, log_every=args.log_every)
-    losses, eval_loss, elapsed = [], None, 0.0
+    engine.stop_request = interrupts.is_requested  # every rank learns of any rank's after each step
+    interrupts.training()
+    losses, eval_loss, elapsed, stopped = [], None, 0.0, None
     for step in range(start, args.steps):
         loss = engine.train_step(next_batch(step))
         losses.append(loss)
@@ -271,14 +298,30 @@ def main(argv=None):
             print(recovered, file=sys.stderr, flush=True)
         elapsed += engine.last_step.step_time_s
         last = step + 1 == args.steps
-        if args.save and (last or (args.save_every and (step + 1) % args.save_every == 0)):
+        stop = engine.last_step.stop_requested  # the same on every rank: each reached this step's end
+        saving = args.save and (last or stop or (args.save_every and (step + 1) % args.save_every == 0))
+        if saving:
             engine.save(args.save, **save_kwargs())  # before evaluating: a checkpoint holds what training left
-        evaluated = last or bool(args.eval_every and (step + 1) % args.eval_every == 0)
+        evaluated = not stop and (last or bool(args.eval_every and (step + 1) % args.eval_every == 0))
         eval_loss = evaluate(engine, held_out) if evaluated else None
         for out in (console, metrics, board):
             if out is not None:
                 out.write(engine.last_step, eval_loss)
+        if stop:
+            stopped = engine.step_count
+            break
     console.close()
+    if stopped is not None:  # a signal (or the launcher's exit): this step saved, one line, no evaluation
+        if main_rank:
+            saved = (f"saved {Path(args.save) / step_name(stopped)}; resume with --resume {args.save}" if args.save
+                     else "nothing saved (no --save)")
+            print(f"interrupted at step {stopped}; {saved}", file=sys.stderr, flush=True)
+        for out in (metrics, board):
+            if out is not None:
+                out.close()
+        interrupts.done()
+        engine.close()
+        return interrupts.exit_code()
     if eval_loss is None:  # no step ran (resumed at --steps): still say how the model does
         eval_loss = evaluate(engine, held_out)
     if main_rank and losses:

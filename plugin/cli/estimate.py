@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..errors import RecipeError
 from ..planning.dims import params_text
 from ..planning.units import fmt_bytes, fmt_gb, fmt_seconds
-from .common import print_json, print_problems, print_table, size
+from .common import load_or_report, print_json, print_problems, print_table, size
 
 DOES_NOT_FIT = 3
 
@@ -31,12 +31,12 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from ..planning.for_recipe import estimate_recipe
-    from ..recipe.load import read_recipe
 
-    gpu_memory = args.gpu_memory
+    recipe = load_or_report(args.recipe, None)  # validated as show and export do: no verdict on an invalid recipe
+    if recipe is None:
+        return 2
     try:
-        recipe = read_recipe(args.recipe)
-        est = estimate_recipe(recipe, gpu_memory=gpu_memory)
+        est = estimate_recipe(recipe, gpu_memory=args.gpu_memory)
     except RecipeError as e:
         print_problems(e.errors or e.problems)
         return 2

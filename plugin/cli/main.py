@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from .common import run_command
@@ -39,4 +40,10 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits 2 on usage errors; 2 means "invalid recipe" here
         return 0 if e.code == 0 else 1
-    return run_command(args)
+    try:
+        code = run_command(args)
+        sys.stdout.flush()  # here, where a closed stdout can still be caught
+        return code
+    except BrokenPipeError:  # `... | head -1`: the reader has gone; end quietly (Python's recipe, signal docs)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush then says nothing
+        return 0

@@ -11,13 +11,13 @@ non-ignored target token of the global batch, across micro-batches, data ranks a
 padded batches of uneven lengths train what one process trains. A user ``loss_fn`` is taken per micro-batch and
 averaged over micro-batches and data ranks (each micro-batch weighs the same).
 
-The data contract (:mod:`plugin.engines.data_contract`): the ranks of one model replica (tensor peers, pipeline stages,
-context peers) must hold the same rows. Under context parallelism each context rank then keeps its two chunks of
-every row's sequence (:meth:`Engine.context_share`, :mod:`plugin.context_parallel.batch`), and its loss is its tokens'
-share of the global batch's: gradients are reduced over data x context (:attr:`Engine.loss_replicas`). Every back end
+The data contract (:mod:`plugin.engines.data_contract`): the global batch the same on every rank, or each data rank's
+own share, the same on the ranks of one model replica (tensor peers, pipeline stages, context peers). Every back end
 reaches its batch through :meth:`Engine.local_batch` (directly, or through :meth:`Engine.micro_batches`), which checks
-it on every step of a layout with tensor, pipeline or context > 1, so one check covers them all.
-:meth:`Engine.dataloader` yields rows that keep it.
+it on every step of every layout, so one check covers them all. :meth:`Engine.dataloader` yields rows that keep it.
+Under context parallelism each context rank then keeps its two chunks of every row's sequence
+(:meth:`Engine.context_share`, :mod:`plugin.context_parallel.batch`), and its loss is its tokens' share of the global
+batch's: gradients are reduced over data x context (:attr:`Engine.loss_replicas`).
 
 What each step did is :attr:`Engine.last_step` (a :class:`plugin.monitor.record.StepReport`: loss, lr, the gradient
 norm the back end clipped with, tokens, time, memory, MFU): :meth:`Engine.train_step` wraps the back end's
@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..errors import PluginError
 from .batches import HF, SHIFTED, map_tensors, micro_batches, rows_of, shard_rows, split_batch, target_count
-from .data_contract import check_same_rows
+from .data_contract import BatchMismatchError, start_exchange
 
 
 def _convention_suspect(inputs, labels, convention: str) -> int:
@@ -69,6 +69,13 @@ class Engine(abc.ABC):
     # The hang guard (plugin.watchdog.guard.Guard; initialize sets it in a world of more than one), stopped by close()
     guard = None
     _step_tokens: int = 0
+    _rows = None  # the data contract's check in flight: local_batch starts it, rows_checked waits for it
+    # True when the module's forward makes no collective across data replicas (DDP of a model without buffers,
+    # DeepSpeed ZeRO-0-2 without pipelines): at tensor = pipeline = 1 the data contract's verdict then waits until the
+    # first backward (rows_checked), its collective running behind the forward
+    forward_is_local: bool = False
+    # this rank's wish to stop (plugin.job sets it): last_step.stop_requested is then any rank's, the same everywhere
+    stop_request: Callable[[], bool] | None = None
     _meter = None
 
     def __init__(self, recipe, layout, topology, groups, module: torch.nn.Module, device: torch.device):
@@ -85,16 +92,19 @@ class Engine(abc.ABC):
         """One optimizer step over ``batch``; returns the global batch's mean loss (equal on every rank).
 
         The back end's :meth:`_train_step` runs the step; then the recipe's ``lr_schedule`` moves to the next step and
-        :attr:`last_step` records what this one did (one small all-reduce for the largest memory of any rank)."""
+        :attr:`last_step` records what this one did (one small all-reduce for the largest memory of any rank, which
+        also tells every rank whether any :attr:`stop_request` is set: ``last_step.stop_requested``)."""
         start = time.perf_counter()
         lr = self.current_lr()  # what this step's update uses: the schedule set it after the previous step
         loss = self._train_step(batch)
+        assert self._rows is None, f"{type(self).__name__} stepped before the data contract's verdict (rows_checked)"
         seconds = time.perf_counter() - start
         if self.lr_schedule is not None:
             self.lr_schedule.step()
         norm = self.grad_norm()
         self.last_step = self.meter.report(step=self.step_count, loss=loss, lr=lr, seconds=seconds,
-                                           grad_norm=None if norm is None else float(norm), tokens=self._step_tokens)
+                                           grad_norm=None if norm is None else float(norm), tokens=self._step_tokens,
+                                           stop=self.stop_request is not None and self.stop_request())
         return loss
 
     def _train_step(self, batch) -> float:
@@ -248,35 +258,56 @@ class Engine(abc.ABC):
         """This data rank's share of ``batch`` (given whole, or already split) as ``(inputs, labels)``, on the
         engine's device, its inputs as the module takes them (:meth:`to_inputs`); labels keep their dtype.
 
-        With tensor, pipeline or context > 1, the share's fingerprint is compared over the model replica first
-        (:func:`plugin.engines.data_contract.check_same_rows`, one all-gather of 3 int64 per rank over the world): a
-        mismatch, or a wrong row count on any rank, raises on every rank before anything is trained.
-        Then the default loss is told the step's token count (:meth:`prepare_loss`), and under context parallelism
-        the share is cut into this rank's chunks (:meth:`context_share`)."""
+        It starts the data contract's check (:mod:`plugin.engines.data_contract`), on every layout: one collective
+        that gives every rank every rank's fingerprint of what it was given and its share's target tokens. Rows that
+        break the contract, or a wrong row count on any rank, raise
+        :class:`~plugin.engines.data_contract.BatchMismatchError` on every rank before anything is trained. A
+        ``train_step`` given the global batch (whose token count every rank knows) on a back end whose forward
+        makes no collective across data replicas (:attr:`forward_is_local`), at tensor = pipeline = 1, does not wait
+        for it: the back end calls :meth:`rows_checked` before its first backward, so the collective runs behind the
+        first forward. Otherwise (an ``eval_step``; a share, whose count the default loss needs summed over the data
+        ranks: that sum is the same collective's; tensor or pipeline peers, whose forward must not start on rows of
+        another shape) it waits here. Under context parallelism the share is then cut into this rank's chunks
+        (:meth:`context_share`)."""
         call = call or ("train_step" if torch.is_grad_enabled() else "eval_step")  # every eval_step runs no_grad
         inputs, labels, convention = split_batch(batch)
         rows = rows_of(inputs)
         lay = self.layout
         local_rows = lay.micro_batch * lay.grad_accum
-        wrong = None
+        given = (inputs, labels)
+        wrong = rows not in (lay.global_batch, local_rows)
         whole = None
-        # At data 1 the global batch is the local share: nothing to cut, and the check below sees the same rows.
+        # At data 1 the global batch is the local share: nothing to cut.
         if rows == lay.global_batch and rows != local_rows:
             whole = labels
             inputs, labels = shard_rows((inputs, labels), self.dp_rank, lay.data)
-        elif rows != local_rows:
-            wrong = (f"{call} got {rows} rows; expected the global batch ({lay.global_batch}) or this rank's share "
-                     f"(micro {lay.micro_batch} x grad_accum {lay.grad_accum} = {local_rows})")
         inputs = map_tensors(inputs, lambda t: t.to(self.device, non_blocking=True))
         labels = labels.to(self.device, non_blocking=True)
-        if lay.tensor * lay.pipeline * lay.context > 1 and self.check_peer_rows:  # no peers without those axes
-            check_same_rows(None if wrong else (inputs, labels), rows, self.topology, call=call,
-                            global_rows=lay.global_batch, local_rows=local_rows, device=self.device)
-        if wrong:
-            raise ValueError(wrong)
         self._step_tokens = whole.numel() if whole is not None else labels.numel() * lay.data  # the global batch's
-        self.prepare_loss(labels, convention, whole, inputs=inputs if call == "train_step" else None)
-        if lay.context > 1:
+        first = inputs if call == "train_step" and not wrong else None
+        if not self.check_peer_rows:  # bench/data_contract.py's baseline: the loss's own count, as before the check
+            if wrong:
+                raise BatchMismatchError(f"{call} got {rows} rows; expected the global batch ({lay.global_batch}) or "
+                                         f"this rank's share ({local_rows})")
+            self._count_before_the_check(labels, convention, whole, first)
+            return self._context_cut(inputs, labels, convention)
+        tokens = torch.zeros((), dtype=torch.int64) if wrong else target_count(labels, convention)
+        exchange = start_exchange(None if wrong else given, rows, tokens, self._suspect(first, labels, convention),
+                                  self.topology, global_rows=lay.global_batch, local_rows=local_rows,
+                                  device=self.device)
+        self._rows = (exchange, call, convention)
+        # wait now unless nothing before the first backward needs the verdict: the count is known here, and no
+        # collective in the forward could meet a peer that already refused (module docstring of data_contract)
+        later = (self.forward_is_local and lay.tensor * lay.pipeline * lay.context == 1
+                 and (whole is not None or lay.data == 1))
+        if call == "train_step" and not wrong and later:
+            self._give_loss(int(target_count(whole if whole is not None else labels, convention)), convention)
+        else:
+            self.rows_checked()
+        return self._context_cut(inputs, labels, convention)
+
+    def _context_cut(self, inputs, labels, convention: str):
+        if self.layout.context > 1:  # after the verdict: the default loss's denominator is known
             inputs, labels = self.context_share(inputs, labels, convention)
         return self.to_inputs(inputs), labels
 
@@ -298,31 +329,36 @@ class Engine(abc.ABC):
             self.loss_fn.prepare(self.loss_fn.denominator, SHIFTED)
         return inputs, labels
 
-    def prepare_loss(self, labels, convention: str, whole=None, inputs=None) -> None:
-        """Give the default loss (one with ``prepare``) this step's denominator ``N / (data x grad_accum)``, ``N``
-        the non-ignored targets of the global batch: counted on ``whole`` when the step was given the global
-        batch, else this share's count summed over the data group (one int64 all-reduce; every rank is in one
-        data group, so every stage takes part). ``N == 0`` raises on every rank alike.
-
-        On the first ``train_step`` (``inputs`` given) the labels' convention is checked too, since a wrong one
-        trains without any error: tuple labels equal to the inputs (the model would learn to copy its input), or
-        dict labels equal to ``input_ids`` shifted by one (shifted twice). The verdict travels with the count, so
-        every rank raises alike."""
-        loss_fn = self.loss_fn
-        if not hasattr(loss_fn, "prepare"):
+    def rows_checked(self) -> None:
+        """Wait for the data contract's collective that :meth:`local_batch` started, and raise on every rank when the
+        rows break it, or their labels fail the checks of :meth:`prepare_loss`; then nothing is pending (a second
+        call returns at once). Every back end calls it before its first backward (a pipeline: before its schedule),
+        so nothing is trained before the verdict; :meth:`train_step` asserts it did."""
+        pending, self._rows = self._rows, None
+        if pending is None:
             return
-        lay = self.layout
-        suspect = 0
-        if inputs is not None and self.step_count == 0:
-            suspect = _convention_suspect(inputs, labels, convention)
-        if whole is not None or lay.data == 1:
-            count = torch.stack([target_count(whole if whole is not None else labels, convention),
-                                 torch.tensor(suspect, dtype=torch.int64, device=labels.device)])
-        else:
-            count = torch.stack([target_count(labels, convention).to(self.device),
-                                 torch.tensor(suspect, dtype=torch.int64, device=self.device)])
-            torch.distributed.all_reduce(count, group=self.groups.data_group)
-        n, suspect = (int(v) for v in count.tolist())
+        exchange, call, convention = pending
+        n, suspect = exchange.finish(call)
+        self.prepare_loss(n, suspect, convention)
+
+    def _suspect(self, inputs, labels, convention: str) -> int:
+        """1 when the first train_step's (``inputs`` given) labels look like the other convention's, else 0."""
+        return _convention_suspect(inputs, labels, convention) if inputs is not None and self.step_count == 0 else 0
+
+    def _give_loss(self, n: int, convention: str) -> None:
+        """The default loss's (one with ``prepare``) denominator for this step: ``N / (data x grad_accum)``."""
+        if hasattr(self.loss_fn, "prepare"):
+            self.loss_fn.prepare(n / (self.loss_replicas * self.layout.grad_accum), convention)
+
+    def prepare_loss(self, n: int, suspect: int, convention: str) -> None:
+        """Check the step's labels and give the default loss (one with ``prepare``) its denominator ``N / (data x
+        grad_accum)``, ``N`` = ``n``, the non-ignored targets of the global batch; ``suspect``: whether any rank's
+        labels looked like the other convention's. Both are the world's (the data contract's collective), so every
+        rank raises alike: on ``N == 0``, and on the first ``train_step`` when the labels' convention looks wrong,
+        since a wrong one trains without any error: tuple labels equal to the inputs (the model would learn to copy
+        its input), or dict labels equal to ``input_ids`` shifted by one (shifted twice)."""
+        if not hasattr(self.loss_fn, "prepare"):
+            return
         if suspect and convention == HF:
             raise PluginError("the dict batch's labels look already shifted (labels[:, t] == input_ids[:, t + 1]): "
                               "dict batches take labels = input_ids, shifted inside the loss -> pass "
@@ -335,12 +371,28 @@ class Engine(abc.ABC):
             raise PluginError(f"step {self.step_count + 1}: the global batch has no target token (every label is "
                               "-100" + (", and the shift drops each row's first label" if convention == HF else "")
                               + ") -> check the labels' padding")
-        loss_fn.prepare(n / (self.loss_replicas * lay.grad_accum), convention)
+        self._give_loss(n, convention)
 
     def micro_batch_modules(self) -> list:
         """The modules the back end runs once per micro-batch (the hang guard's phase hooks sit on them): the model;
         a pipelined back end's local stages."""
         return [self.module]
+
+    def _count_before_the_check(self, labels, convention: str, whole, inputs) -> None:
+        """What the loss's count cost before the data contract carried it (``check_peer_rows`` off, the bench's
+        baseline): counted on ``whole`` (or at data 1), else this share's count summed over the data group."""
+        if not hasattr(self.loss_fn, "prepare"):
+            return
+        if whole is not None or self.layout.data == 1:
+            n = int(target_count(whole if whole is not None else labels, convention))
+            suspect = self._suspect(inputs, labels, convention)
+        else:
+            count = torch.stack([target_count(labels, convention).to(self.device),
+                                 torch.tensor(self._suspect(inputs, labels, convention), dtype=torch.int64,
+                                              device=self.device)])
+            dist.all_reduce(count, group=self.groups.data_group)
+            n, suspect = (int(v) for v in count.tolist())
+        self.prepare_loss(n, suspect, convention)
 
     def micro_batches(self, batch, call: str | None = None) -> list:
         return micro_batches(self.local_batch(batch, call), self.layout.grad_accum)

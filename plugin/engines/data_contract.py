@@ -1,16 +1,29 @@
-"""The data contract: the ranks of one model replica (its tensor peers and pipeline stages) train on the same rows.
+"""The data contract: what each rank passes to ``train_step`` / ``eval_step``, checked on every step of every layout.
 
-Tensor peers each compute a slice of the same rows, and a pipeline's last stage meets the labels of the rows
-its first stage embedded: if they were handed different rows (``DistributedSampler(dataset)`` shards over
-every process, the tutorials' pattern), the job trains on a mix and exits 0. So every ``train_step`` and
-``eval_step`` of a layout with tensor or pipeline > 1 compares a fingerprint of this rank's rows with its
-model-group peers before anything runs, and refuses a mismatch on every rank of the world.
+A rank passes either
 
-How cheap: a fingerprint is 3 int64 per rank (:func:`fingerprint`: the row count and one digest each of the
-inputs and of the labels), gathered over the whole world (:func:`_gather_everywhere`: one all-gather, or on
-gloo one all-to-all). It is world-wide, not per model group, on purpose: every rank then holds every group's
-fingerprints and reaches the same verdict (:func:`mismatch_message`), so the ranks of a data replica whose own
-peers agree raise too, instead of hanging in their next collective with the replica that stopped.
+* the **global batch** (``batch.global`` rows): then every rank must pass the same rows (each data rank keeps its
+  share; per-process rows, ``DataLoader(dataset, batch_size=global, sampler=DistributedSampler(dataset))``, would
+  train on 1/D of them and exit 0); or
+* **its data rank's share** (``micro x grad_accum`` rows): then the ranks of one model replica (tensor peers,
+  pipeline stages: the same ``data_rank``) must pass the same rows, and the shares must differ by data rank
+  (identical shares train the same rows D times).
+
+Anything else (another row count, e.g. a DataLoader's short last batch without ``drop_last=True``; some ranks the
+global batch and others their share) is refused too. A refusal is a :class:`BatchMismatchError` raised on every rank
+with the same message, before anything trains.
+
+How cheap: each rank contributes its fingerprint (:func:`fingerprint`: the row count and one digest each of the
+inputs and of the labels it was given), its share's target-token count and the labels' suspect to ONE collective,
+one round (:func:`start_exchange`), after which every rank holds every rank's and reaches the same verdict with a
+few tensor operations (:func:`verdict`), and the same message if it refuses (:func:`mismatch_message`, pure). The
+token count of the global batch, which the default loss needs, is the sum of the replicas' counts, so where a rank
+was given its share this collective replaces the all-reduce over the data group the loss made before. Where the
+step's count is known without it (the global batch given, or data 1) and its forward makes no collective across
+data replicas (pure data parallelism on DDP or DeepSpeed ZeRO-0-2), the back end waits for the verdict only before
+its first backward (:meth:`plugin.engines.base.Engine.rows_checked`), so the collective runs behind the forward.
+With tensor or pipeline > 1 it is waited for before the forward: peers given rows of other shapes would otherwise
+meet in the forward's collectives with buffers of other sizes. ``bench/data_contract.py`` measures the cost.
 
 A digest is exact integer arithmetic on the tensor's bits (no float rounding, NaN equals itself): the bits
 read as integers of the element's width, times fixed pseudo-random odd 64-bit weights, one per position,
@@ -32,14 +45,14 @@ from ..errors import PluginError
 from .batches import flat_tensors
 
 FIELDS = 3  # per rank: rows given, digest of the inputs, digest of the labels (and any further tensors)
+SLOT = FIELDS + 2  # ... and, in the exchange, the target tokens of its share and the labels' suspect (0 or 1)
 _MAX_LISTED = 3  # mismatching data replicas spelled out in the message; the rest are counted
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class BatchMismatchError(PluginError, ValueError):
-    """Ranks of one model replica were given different rows (or a rank a wrong row count); raised on every rank.
-
-    Also a ``ValueError``, as the row-count refusal of a data-parallel-only layout is."""
+    """The ranks were given rows that break the data contract (or a wrong row count); raised on every rank with the
+    same message. Also a ``ValueError``, as a wrong row count was before."""
 
 
 @functools.lru_cache(maxsize=16)
@@ -94,90 +107,155 @@ def _who(topology, rank: int, with_data_rank: bool = False) -> str:
             ([f"stage {coord.pp}"] if topology.pp_size > 1 else []) + \
             ([f"context {coord.cp}"] if topology.cp_size > 1 else []) + \
             ([f"tensor {coord.tp}"] if topology.tp_size > 1 else [])
-    return f"rank {rank} ({', '.join(parts)})"
+    return f"rank {rank} ({', '.join(parts)})" if parts else f"rank {rank}"
+
+
+def _ranks_text(ranks: Sequence[int], word: str = "data rank") -> str:
+    return f"{word} {ranks[0]}" if len(ranks) == 1 else f"{word}s {', '.join(map(str, ranks))}"
 
 
 def mismatch_message(values: Sequence[Sequence[int]], topology, *, call: str, global_rows: int,
                      local_rows: int) -> str | None:
-    """The refusal every rank raises, or None when every model replica's ranks were given the same rows.
+    """The refusal every rank raises, or None when the rows keep the data contract (the module docstring).
 
     ``values[r]`` is rank ``r``'s :func:`fingerprint` as ints. Pure (no torch, no collective): each rank reaches
     the same verdict from the same gathered values.
     """
+    data, world = topology.dp_size, topology.world_size
+    sampler = (f"DistributedSampler(dataset, num_replicas=engine.data_size, rank=engine.data_rank) (data_size {data} "
+               f"here; without those arguments DistributedSampler shards over all {world} processes)")
     fix = (f"-> give every rank the global batch ({global_rows} rows; each data rank takes its share), or iterate "
-           "engine.dataloader(dataset), or shard rows by data rank, not by process: DistributedSampler(dataset, "
-           f"num_replicas=engine.data_size, rank=engine.data_rank) (data_size {topology.dp_size} here; without "
-           f"those arguments DistributedSampler shards over all {topology.world_size} processes)")
-    wrong_rows = [r for r, v in enumerate(values) if v[0] not in (global_rows, local_rows)]
+           f"engine.dataloader(dataset), or shard rows by data rank, not by process: {sampler}")
+    share_fix = (f"-> pass this data rank's share: iterate engine.dataloader(dataset), or {sampler} with batch_size "
+                 f"= micro x grad_accum = {local_rows}; or the same {global_rows} rows on every rank")
+    rows = [v[0] for v in values]
+    wrong_rows = [r for r, n in enumerate(rows) if n not in (global_rows, local_rows)]
     if wrong_rows:
-        listed = ", ".join(f"{_who(topology, r, with_data_rank=True)} got {values[r][0]}" for r in wrong_rows)
-        return (f"{call}: {listed} rows; every rank takes the global batch ({global_rows} rows) or its data rank's "
-                f"share (micro x grad_accum = {local_rows} rows), the same rows as its tensor and pipeline peers "
-                f"{fix}")
+        expected = (f"every rank takes the global batch ({global_rows} rows) or its data rank's share (micro x "
+                    f"grad_accum = {local_rows} rows)" + (", the same rows as its tensor, context and pipeline peers"
+                                                           if world > data else ""))
+        short = ("; a DataLoader ends each epoch with a short batch unless drop_last=True -> DataLoader(..., "
+                 "drop_last=True), or iterate engine.dataloader(dataset) (it drops an incomplete last global batch), "
+                 f"or shard by data rank: {sampler}")
+        if len(wrong_rows) == world and len(set(rows)) == 1:
+            return f"{call}: every rank got {rows[0]} rows; {expected}{short}"
+        listed = ", ".join(f"{_who(topology, r, with_data_rank=True)} got {rows[r]}" for r in wrong_rows)
+        return f"{call}: {listed} rows; {expected}{short}"
     lines, bad = [], 0
-    for dp_rank, ranks in enumerate(topology.replica_groups()):  # one per data replica, by data rank
+    replicas = topology.replica_groups()  # one per data replica, by data rank (tensor x context x pipeline)
+    for dp_rank, ranks in enumerate(replicas):
         classes: dict[tuple, list[int]] = {}
         for r in ranks:
-            classes.setdefault(tuple(values[r][1:]), []).append(r)
+            classes.setdefault(tuple(values[r]), []).append(r)
         if len(classes) == 1:
             continue
         bad += 1
         if bad > _MAX_LISTED:
             continue
         keys = list(classes)
-        differ = [name for i, name in enumerate(("inputs", "labels")) if len({k[i] for k in keys}) > 1]
+        differ = [name for i, name in enumerate(("rows", "inputs", "labels")) if len({k[i] for k in keys}) > 1]
         listed = " != ".join(" = ".join(_who(topology, r) for r in members) for members in classes.values())
         lines.append(f"  data rank {dp_rank}: {listed} ({' and '.join(differ)} differ)")
-    if not bad:
+    if bad:
+        if bad > _MAX_LISTED:
+            lines.append(f"  and {bad - _MAX_LISTED} more data rank(s)")
+        return (f"{call}: the ranks of one model replica were given different rows (tensor peers each compute a "
+                "slice of the same rows; a pipeline's last stage meets the labels of the rows its first stage took), "
+                "so nothing was trained:\n" + "\n".join(lines) + "\n" + fix)
+    if global_rows == local_rows:  # data 1: one replica, and it agrees
         return None
-    if bad > _MAX_LISTED:
-        lines.append(f"  and {bad - _MAX_LISTED} more data rank(s)")
-    return (f"{call}: the ranks of one model replica were given different rows (tensor peers each compute a slice "
-            "of the same rows; a pipeline's last stage meets the labels of the rows its first stage took), so "
-            "nothing was trained:\n" + "\n".join(lines) + "\n" + fix)
+    per_replica = [tuple(values[ranks[0]]) for ranks in replicas]
+    kinds = {d: "global" if v[0] == global_rows else "share" for d, v in enumerate(per_replica)}
+    if len(set(kinds.values())) > 1:
+        whole = [d for d, k in kinds.items() if k == "global"]
+        shares = [d for d, k in kinds.items() if k == "share"]
+        return (f"{call}: {_ranks_text(whole)} passed the global batch ({global_rows} rows) and {_ranks_text(shares)} "
+                f"their share ({local_rows} rows), so nothing was trained: every rank passes the one or every rank "
+                f"the other {fix}")
+    classes = {}
+    for d, v in enumerate(per_replica):
+        classes.setdefault(v, []).append(d)
+    if kinds[0] == "global" and len(classes) > 1:
+        listed = " != ".join(" = ".join(f"data rank {d}" for d in members) for members in classes.values())
+        return (f"{call}: every rank passed {global_rows} rows, the global batch, but not the same rows on every "
+                f"data rank ({listed}): each data rank keeps only its share ({local_rows} rows) of what it was given, "
+                f"so {local_rows * data} of the {global_rows * len(classes)} rows passed would train and the rest "
+                f"never, and nothing was trained {share_fix}")
+    if kinds[0] == "share" and len(classes) < data:
+        same = [members for members in classes.values() if len(members) > 1]
+        listed = "; ".join(f"{_ranks_text(members)} the same {local_rows} rows" for members in same[:_MAX_LISTED])
+        more = f" and {len(same) - _MAX_LISTED} more such group(s)" if len(same) > _MAX_LISTED else ""
+        return (f"{call}: each data rank must train on its own share of the global batch, but {listed}{more} "
+                "(identical shares train the same rows several times, as one process training each of them again), "
+                f"so nothing was trained {share_fix}")
+    return None
 
 
-def all_agree(table: torch.Tensor, topology, *, global_rows: int, local_rows: int) -> bool:
-    """Whether :func:`mismatch_message` would find nothing in ``table`` (every rank's fingerprint, rank order),
-    in a few tensor operations: a Python pass over thousands of ranks would cost milliseconds a step.
+def verdict(table: torch.Tensor, topology, *, global_rows: int, local_rows: int) -> torch.Tensor:
+    """``[ok, global target tokens, suspect]`` (int64, on ``table``'s device) from the gathered ``table`` (``[world,
+    SLOT]``: every rank's :func:`fingerprint`, share tokens and suspect, rank order), in a few tensor operations (a
+    Python pass over thousands of ranks would cost milliseconds a step); ``ok`` exactly when
+    :func:`mismatch_message` would find nothing.
 
     Ranks are ordered (pipeline, data, context, tensor), tensor fastest, so one model replica is ``[:, d, :]`` of the
-    table viewed as ``[pipeline, data, context x tensor, FIELDS]``; its ranks agree when all equal its first."""
-    grid = table.view(topology.pp_size, topology.dp_size, topology.cp_size * topology.tp_size, FIELDS)
-    rows = grid[..., 0]
-    rows_ok = ((rows == global_rows) | (rows == local_rows)).all()
-    same = (grid[..., 1:] == grid[:1, :, :1, 1:]).all()
-    return bool(rows_ok & same)  # one read back to the host
-
-
-def _gather_everywhere(mine: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Every rank's ``mine``, in rank order, on every rank (``world_size * FIELDS`` int64): one collective.
-
-    On gloo an all-to-all (each rank sends its 24 bytes to every other at once: one round), measured at about
-    half the latency of gloo's ring all-gather (``world - 1`` rounds) with 4 processes, and below a gather plus
-    a broadcast (bench/data_contract.py's machine); its world x world messages are no matter at the sizes gloo
-    runs. On NCCL, whose all-gather is one ring kernel on the communicator it already holds, an all-gather."""
-    table = torch.empty(world_size * FIELDS, dtype=torch.int64, device=mine.device)
-    if dist.get_backend() == "gloo":
-        dist.all_to_all_single(table, mine.repeat(world_size))
+    table viewed as ``[pipeline, data, context x tensor, SLOT]``; its ranks agree when all equal its first."""
+    grid = table.view(topology.pp_size, topology.dp_size, topology.cp_size * topology.tp_size, SLOT)
+    first = grid[0, :, 0]  # each replica's first rank: [data, SLOT]
+    agree = (grid[..., :FIELDS] == first[None, :, None, :FIELDS]).all()
+    rows, prints = first[:, 0], first[:, 1:FIELDS]
+    if global_rows == local_rows:
+        kind_ok = (rows == global_rows).all()
     else:
-        dist.all_gather_into_tensor(table, mine)
-    return table
+        every_global = (rows == global_rows).all() & (prints == prints[:1]).all()
+        every_share = (rows == local_rows).all() & (torch.unique(prints, dim=0).shape[0] == topology.dp_size)
+        kind_ok = every_global | every_share
+    return torch.stack([(agree & kind_ok).to(torch.int64), first[:, FIELDS].sum(), table[:, FIELDS + 1].max()])
 
 
-def check_same_rows(batch, rows: int, topology, *, call: str, global_rows: int, local_rows: int,
-                    device: torch.device) -> None:
-    """Raise :class:`BatchMismatchError` on every rank unless each model replica's ranks hold the same rows.
+class RowsExchange:
+    """One step's gather of every rank's fingerprint, started by :func:`start_exchange`; :meth:`finish` waits for it
+    and gives the verdict."""
 
-    A collective over the world (every rank calls it, each with its own share ``batch``, or None when its
-    ``rows`` count is wrong). ``device``: where the process group's tensors live (the engine's device).
-    """
-    mine = fingerprint(batch, rows).to(device)
-    table = _gather_everywhere(mine, topology.world_size)
-    if all_agree(table, topology, global_rows=global_rows, local_rows=local_rows):  # the common case: tensor ops
-        return
-    flat = table.tolist()
-    values = [flat[r * FIELDS:(r + 1) * FIELDS] for r in range(topology.world_size)]
-    message = mismatch_message(values, topology, call=call, global_rows=global_rows, local_rows=local_rows)
-    assert message, "all_agree and mismatch_message disagree"
-    raise BatchMismatchError(message)
+    def __init__(self, table: torch.Tensor, work, topology, global_rows: int, local_rows: int):
+        self.table, self.work, self.topology = table, work, topology
+        self.global_rows, self.local_rows = global_rows, local_rows
+
+    def finish(self, call: str) -> tuple[int, int]:
+        """``(target tokens of the global batch, suspect)`` (suspect: the most of any rank's), or raise
+        :class:`BatchMismatchError` (every rank reaches the same verdict from the same table; no further collective)."""
+        if self.work is not None:
+            self.work.wait()
+        ok, tokens, suspect = verdict(self.table, self.topology, global_rows=self.global_rows,
+                                      local_rows=self.local_rows).tolist()  # one read back to the host
+        if ok:
+            return tokens, suspect
+        values = [row[:FIELDS] for row in self.table.tolist()]
+        message = mismatch_message(values, self.topology, call=call, global_rows=self.global_rows,
+                                   local_rows=self.local_rows)
+        assert message, "verdict and mismatch_message disagree"
+        raise BatchMismatchError(message)
+
+
+def start_exchange(given, rows: int, tokens, suspect: int, topology, *, global_rows: int, local_rows: int,
+                   device: torch.device) -> RowsExchange:
+    """Start the step's one collective, which gives every rank every rank's fingerprint of ``given`` (what it was
+    passed, None when its ``rows`` count is already wrong), the target ``tokens`` of its share (an int64 scalar) and
+    ``suspect`` (0 or 1: the labels look like the other convention), and return before it is done
+    (``async_op``): :meth:`RowsExchange.finish` waits. Every rank calls it, in the same place of its step.
+
+    On gloo an all-to-all (each rank sends its ``SLOT`` int64 to every other at once: one round), measured here at
+    a quarter to a half of an all-reduce's latency (a ring of ``2 (world - 1)`` rounds) and of gloo's all-gather; its
+    world x world messages are no matter at the sizes gloo runs. On NCCL, whose all-gather is one ring kernel on the
+    communicator it already holds, an all-gather. ``device``: where the process group's tensors live."""
+    mine = torch.cat([fingerprint(given, rows).to(device),
+                      torch.as_tensor(tokens, dtype=torch.int64).reshape(1).to(device),
+                      torch.tensor([suspect], dtype=torch.int64, device=device)])
+    world = topology.world_size
+    if world == 1:
+        return RowsExchange(mine.view(1, SLOT), None, topology, global_rows, local_rows)
+    table = torch.empty(world * SLOT, dtype=torch.int64, device=device)
+    if dist.get_backend() == "gloo":
+        work = dist.all_to_all_single(table, mine.repeat(world), async_op=True)
+    else:
+        work = dist.all_gather_into_tensor(table, mine, async_op=True)
+    return RowsExchange(table.view(world, SLOT), work, topology, global_rows, local_rows)

@@ -166,6 +166,10 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
                world_size: int | None = None, backend: str | None = None, weights=None, job_dir=None):
     """Shard ``model`` per ``recipe`` and wrap it in the chosen back end's :class:`~plugin.engines.base.Engine`.
 
+    This is the call that creates the process group (from the launcher's ``RANK`` / ``WORLD_SIZE``): build what asks
+    for it, a ``DistributedSampler`` (torch: "Default process group has not been initialized"), after it, with
+    ``num_replicas=engine.data_size, rank=engine.data_rank``, or iterate ``engine.dataloader(dataset)``.
+
     ``model``: an ``nn.Module`` built on the meta device (``with torch.device("meta"): GPT(cfg)``), or a
     zero-argument callable that builds one (called here under ``torch.device("meta")``): each rank then
     materialises only what it holds (its tensor shards, its stage, its ZeRO-3 / FSDP2 partition), every module

@@ -18,6 +18,12 @@ rendezvous endpoint) is torchrun's elastic agent: :mod:`.elastic`.
 
 Relative paths (the recipe, the hostfile, train.py's own arguments) are the caller's: launch.sh does not
 change directory, and the recipe reaches train.py as an absolute path.
+
+A ``--save DIR`` that another live job holds (or, without ``--resume``, that holds another run's complete
+checkpoints) is refused first, before the recipe is read (:func:`plugin.job.lock.save_refusal`). The launcher runs
+as launch.sh's child (:mod:`plugin.job.supervise`): a SIGINT or SIGTERM to launch.sh reaches every worker, which
+stops at its next step boundary (saving it with ``--save``), and nothing of the launcher's tree outlives it.
+``PLUGIN_RUN_ID`` (the job's run id, made here unless set) names the job in its ``--save`` lock.
 """
 from __future__ import annotations
 
@@ -32,7 +38,8 @@ from pathlib import Path
 
 from ..errors import Problem
 from ..interop.precision import PRECISIONS
-from ..recipe.checks import validate
+from ..job import supervise
+from ..job.lock import new_run_id, save_refusal
 from .elastic import elastic_command, elastic_launch_problems, node_range
 from .hostfile import HostfileError, read_hostfile
 from .machine import Machine
@@ -295,6 +302,16 @@ def main(argv: list[str] | None = None, machine: Machine | None = None) -> int:
         req = parse(sys.argv[1:] if argv is None else argv)
     except SystemExit as e:
         return 0 if e.code == 0 else 1
+    save = None if req.dry_run else _train_option(req.train_args, "--save")
+    # first: a second job on a --save directory is refused in well under a second (not an elastic node joining its
+    # job: train.py's lock knows the run by its rendezvous id and lets the same run through)
+    if save and req.node_rank == 0 and not req.elastic:
+        refused = save_refusal(save, resume=_train_option(req.train_args, "--resume") is not None)
+        if refused:
+            print(refused, file=sys.stderr)
+            return 2
+    from ..recipe.checks import validate  # jsonschema: a fifth of a second, after that refusal
+
     machine = machine or Machine.detect()
     recipe, problems = validate(req.recipe)
     for p in problems:
@@ -320,5 +337,16 @@ def main(argv: list[str] | None = None, machine: Machine | None = None) -> int:
     if req.dry_run:
         print(shown)
         return 0
+    env.setdefault("PLUGIN_RUN_ID", os.environ.get("PLUGIN_RUN_ID") or new_run_id())  # the job's id (its --save lock)
     print(f"+ {shown}", file=sys.stderr, flush=True)
-    os.execvpe(cmd[0], cmd, {**os.environ, **env})
+    return supervise.run(cmd, {**os.environ, **env})  # the launcher as a child: a stop reaches the workers
+
+
+def _train_option(args: list[str], name: str) -> str | None:
+    """The value of train.py's ``name DIR`` (or ``name=DIR``) among ``args``, else None."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg[len(name) + 1:]
+    return None

@@ -1,7 +1,8 @@
 """Measuring a step for :class:`~.record.StepReport`: the device's peak memory and the largest over the ranks.
 
-One all-reduce (MAX) of one number over the world per step gives the largest peak of any rank; the rest of the
-report is already known everywhere (the loss and the gradient norm are global, the lr is the schedule's).
+One all-reduce (MAX) over the world per step gives the largest peak of any rank (and whether any rank was asked to
+stop, :mod:`plugin.job`: a second number in it); the rest of the report is already known everywhere (the loss and
+the gradient norm are global, the lr is the schedule's).
 ``bench/last_step.py`` measures what this costs against a step.
 """
 from __future__ import annotations
@@ -30,15 +31,21 @@ class StepMeter:
         self.peak_flops = device_peak_flops(name, recipe.precision)
         self.flops_per_token = model_flops_per_token(recipe, world_size)
 
-    def largest_memory_gb(self) -> float:
-        """The largest peak memory of any rank, in GB (a collective: every rank calls it)."""
-        value = torch.tensor([float(peak_memory_bytes(self.device))], dtype=torch.float64, device=self.device)
+    def largest(self, stop: bool = False) -> tuple[float, bool]:
+        """The largest peak memory of any rank, in GB, and whether any rank's ``stop`` is set (a collective: every
+        rank calls it; one all-reduce of two numbers)."""
+        value = torch.tensor([float(peak_memory_bytes(self.device)), float(stop)], dtype=torch.float64,
+                             device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return float(value.item()) / 1e9
+        memory, stop = value.tolist()
+        return memory / 1e9, bool(stop)
 
     def report(self, *, step: int, loss: float, lr: float | None, grad_norm: float | None, tokens: int,
-               seconds: float) -> StepReport:
+               seconds: float, stop: bool = False) -> StepReport:
+        """``stop``: this rank's request to stop; the report's ``stop_requested`` is any rank's."""
+        memory, stop = self.largest(stop)
         return StepReport(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=tokens, step_time_s=seconds,
-                          tokens_per_s=tokens / seconds if seconds > 0 else 0.0, memory_gb=self.largest_memory_gb(),
-                          mfu=mfu(self.flops_per_token, tokens, seconds, self.world_size, self.peak_flops))
+                          tokens_per_s=tokens / seconds if seconds > 0 else 0.0, memory_gb=memory,
+                          mfu=mfu(self.flops_per_token, tokens, seconds, self.world_size, self.peak_flops),
+                          stop_requested=stop)

@@ -31,6 +31,9 @@ class StepReport:
     tokens_per_s: float
     memory_gb: float | None
     mfu: float | None
+    # whether any rank had been asked to stop (a signal; plugin.job) by the end of this step: the same on every rank,
+    # carried by the memory's all-reduce; not a metric
+    stop_requested: bool = False
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -83,6 +83,8 @@ def check_model_dims(recipe: Recipe, layout: Layout | None) -> Problems:
                       f"use one of {[d for d in range(1, m.heads + 1) if m.heads % d == 0]}")
     for key, value in (("heads", m.heads), ("kv_heads", kv), ("hidden", m.hidden),
                        ("ffn_hidden", m.ffn_hidden_resolved)):
+        if key == "kv_heads" and m.kv_heads is None:  # not written: it is heads, whose error says it all
+            continue
         if value % tp:
             yield Problem(f"$.model.{key}", f"{key} {value} is not divisible by tensor {tp}: each tensor rank "
                           f"must hold whole {'heads' if 'heads' in key else 'columns'}",

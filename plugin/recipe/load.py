@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import Problem, RecipeError
+from .foreign import accelerate_yaml, deepspeed_config, empty_file
 from .jsontext import INVALID, parse_json
 from .paths import recipes_dir
 from .schema import schema_problems
@@ -66,9 +67,18 @@ def read_recipe_problems(ref: str | Path) -> tuple[Recipe | None, list[Problem]]
 
 
 def recipe_from_text(text: str, file: str = "") -> tuple[Recipe | None, list[Problem]]:
+    """Text -> ``(recipe or None, problems)``; an empty file, an Accelerate YAML or a DeepSpeed config is said as such
+    (:mod:`.foreign`) instead of as JSON or schema errors."""
+    empty = empty_file(text, file)
+    if empty is not None:
+        return None, [empty]
     data, problems = parse_json(text, file)
     if data is INVALID:
-        return None, problems
+        yaml = accelerate_yaml(text, file)
+        return None, [yaml] if yaml is not None else problems
+    ds = deepspeed_config(data, file)
+    if ds is not None:
+        return None, [ds]
     return recipe_from_data(data, file, problems)
 
 

@@ -6,6 +6,11 @@
   seconds, naming the peers and the fix; so does one rank alone giving too few rows; the engine then trains on
   correct rows (nothing was half-done, no rank hangs). On the native back end (also in the no-DeepSpeed suite) and on DeepSpeed (its mpu path and its
   PipelineModule).
+* At pure data parallelism (cpu_dp4, issue 21): the tutorials' loop, ``DataLoader(dataset, batch_size=global,
+  sampler=DistributedSampler(dataset))`` (each rank its own "global batch"), the same share on every data rank, and
+  a short last batch (every rank 5 rows) are each refused on every rank, naming the data ranks and the fix; the
+  share of each data rank gives the same loss as the global batch, and the global batch then trains from the
+  untrained model (the refused steps changed nothing).
 * ``engine.dataloader(dataset)`` on both layouts (native): 4 steps (3 per epoch, so the second epoch's reshuffle
   is in) give the losses of one process training on the same dataset's global batches, and on the pipeline a
   resume from step 2 (engine checkpoint plus the loader's state, read through 1 worker process) gives the
@@ -37,10 +42,10 @@ def _recipe(name):
     return Recipe.from_dict(data)
 
 
-def _dataset(recipe):
+def _dataset(recipe, rows=ROWS):
     from plugin.data.text import TextBatches
 
-    x, y = TextBatches(recipe.model.vocab, recipe.model.seq_len, seed=3).global_batch(0, ROWS)
+    x, y = TextBatches(recipe.model.vocab, recipe.model.seq_len, seed=3).global_batch(0, rows)
     return list(zip(x, y))  # a map-style dataset of (inputs, labels) rows
 
 
@@ -96,8 +101,42 @@ def _refusals(engine, dataset, calls=("train_step",)) -> dict:
     return out
 
 
+def _pure_data_parallel(engine, dataset) -> dict:
+    """cpu_dp4's refusals ({case: (type, message, seconds)}), then the loss of the global batch and of the shares."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from plugin.data.text import TextBatches
+
+    lay = engine.layout
+    per_process = next(iter(DataLoader(dataset, batch_size=lay.global_batch, sampler=DistributedSampler(dataset))))
+    same_share = [t[:lay.global_batch // engine.data_size] for t in dataset_batch(dataset, lay.global_batch)]
+    short = dataset_batch(dataset, 5)  # every rank 5 rows: a short last batch
+    out = {}
+    for case, batch in (("per process", per_process), ("same share", same_share), ("short", short)):
+        start = time.perf_counter()
+        try:
+            engine.train_step(batch)
+            out[case] = (None, "not refused", time.perf_counter() - start)
+        except Exception as e:  # the type is asserted by the test
+            out[case] = (type(e).__name__, str(e), time.perf_counter() - start)
+    x, y = TextBatches(engine.recipe.model.vocab, engine.recipe.model.seq_len, seed=5).global_batch(0, lay.global_batch)
+    share = lay.global_batch // engine.data_size
+    out["global"] = engine.eval_step((x, y))
+    out["shares"] = engine.eval_step((x[engine.data_rank * share:(engine.data_rank + 1) * share],
+                                      y[engine.data_rank * share:(engine.data_rank + 1) * share]))
+    out["then"] = engine.train_step((x, y))
+    return out
+
+
+def dataset_batch(dataset, rows):
+    """The first ``rows`` rows of the dataset, collated: the same on every rank."""
+    return [torch.stack([dataset[i][k] for i in range(rows)]) for k in range(2)]
+
+
 def _native(rank, world_size, directory):
     out, references = {}, {}
+    recipe = _recipe("cpu_dp4")
+    out["cpu_dp4"] = _pure_data_parallel(_engine(recipe, "native"), _dataset(recipe, 64))
     for name in LAYOUTS:
         recipe = _recipe(name)
         dataset = _dataset(recipe)
@@ -130,6 +169,8 @@ def _deepspeed(rank, world_size):
     from plugin.engines.shm import release_shm_buffer
 
     out = {}
+    recipe = _recipe("cpu_dp4")
+    out["cpu_dp4"] = _pure_data_parallel(_engine(recipe, "deepspeed"), _dataset(recipe, 64))
     for name in LAYOUTS:
         recipe = _recipe(name)
         dataset = _dataset(recipe)
@@ -177,9 +218,36 @@ def _check_short(results, name):
         assert seconds < 10, f"{name} rank {rank}: refused after {seconds:.1f} s"
 
 
+def _check_pure_data_parallel(results):
+    """Every rank refuses each case with the same message, within seconds, and then trains on the global batch."""
+    starts = {"per process": "train_step: every rank passed 16 rows, the global batch, but not the same rows on every "
+                             "data rank (data rank 0 != data rank 1 != data rank 2 != data rank 3)",
+              "same share": "train_step: each data rank must train on its own share of the global batch, but data "
+                            "ranks 0, 1, 2, 3 the same 4 rows",
+              "short": "train_step: every rank got 5 rows; every rank takes the global batch (16 rows) or its data "
+                       "rank's share (micro x grad_accum = 4 rows); a DataLoader ends each epoch with a short batch "
+                       "unless drop_last=True -> DataLoader(..., drop_last=True), or iterate engine.dataloader"}
+    for case, start in starts.items():
+        messages = set()
+        for rank, out in enumerate(results):
+            kind, message, seconds = out["cpu_dp4"][case]
+            assert kind == "BatchMismatchError", f"rank {rank}: {case}: {kind}: {message}"
+            assert seconds < 10, f"rank {rank}: {case} refused after {seconds:.1f} s"
+            messages.add(message)
+        assert len(messages) == 1, messages
+        assert messages.pop().startswith(start), case
+    losses = {(out["cpu_dp4"]["global"], out["cpu_dp4"]["shares"], out["cpu_dp4"]["then"]) for out in results}
+    assert len(losses) == 1, losses  # the same floats on every rank
+    (whole, shares, then), = losses
+    # the first step's loss is the untrained model's (dropout 0): the refused steps, the first of which ran its
+    # forward behind the check's all-reduce, trained nothing
+    assert whole == pytest.approx(shares, rel=1e-6) and then == pytest.approx(whole, rel=1e-6)
+
+
 @pytest.mark.native
 def test_native_refuses_mismatched_peers_everywhere_and_its_loader_gives_one_process_losses(tmp_path):
     results = run(_native, 4, str(tmp_path / "ckpt"), timeout_s=240)
+    _check_pure_data_parallel(results)
     for name in LAYOUTS:
         for call in ("train_step", "eval_step"):
             _check_refused(results, name, call)
@@ -202,6 +270,7 @@ def test_deepspeed_refuses_mismatched_peers_everywhere():
 
     need("deepspeed")
     results = run(_deepspeed, 4, timeout_s=240)
+    _check_pure_data_parallel(results)
     for name in LAYOUTS:
         _check_refused(results, name, "train_step")
         _check_short(results, name)

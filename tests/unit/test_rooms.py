@@ -24,9 +24,10 @@ PLUGIN = Path(plugin.__file__).resolve().parent
 # Rooms in data-flow order, then the two front doors (launch.sh's brain and python -m plugin), which may use any
 # room above them; a room imports only from rooms above it or from itself.
 ROOMS = ["recipe", "interop", "planning", "distributed", "tensor_parallel", "context_parallel", "pipeline_parallel",
-         "materialize", "models", "data", "checkpoint", "monitor", "watchdog", "engines", "elastic", "launch", "cli"]
+         "materialize", "models", "data", "checkpoint", "monitor", "watchdog", "engines", "elastic", "job", "launch",
+         "cli"]
 SHARED = {"plugin.errors"}
-PURE_PACKAGES = ["plugin.recipe", "plugin.interop", "plugin.planning", "plugin.elastic", "plugin.launch",
+PURE_PACKAGES = ["plugin.recipe", "plugin.interop", "plugin.planning", "plugin.elastic", "plugin.job", "plugin.launch",
                  "plugin.cli"]
 PURE_MODULES = ["plugin.errors", "plugin.distributed.topology", "plugin.distributed.env", "plugin.engines.choose",
                 "plugin.engines.model_checks",

@@ -100,6 +100,7 @@ class DeepSpeedEngine(Engine):
         self.ds = ds_engine
         self.loss_fn = loss_fn
         self.pipelined = pipelined
+        self.forward_is_local = not pipelined and recipe.zero.stage < 3  # ZeRO-3 gathers parameters in the forward
 
     def stage_micro_batches(self, batch) -> list:
         """The PipelineModule's micro-batches: ``(first stage's input, labels)`` each (:meth:`first_stage_input`)."""
@@ -108,7 +109,9 @@ class DeepSpeedEngine(Engine):
     def _train_step(self, batch) -> float:
         self.ds.train()
         if self.pipelined:
-            loss = self.ds.train_batch(data_iter=iter(self.stage_micro_batches(batch)))
+            micro = self.stage_micro_batches(batch)
+            self.rows_checked()  # train_batch runs forward and backward together: the data contract's verdict first
+            loss = self.ds.train_batch(data_iter=iter(micro))
             self.step_count += 1
             return float(loss.item())
         micro = self.micro_batches(batch)
@@ -117,6 +120,7 @@ class DeepSpeedEngine(Engine):
         for i, (inputs, labels) in enumerate(micro):
             loss = self.loss_fn(self.call_model(self.ds, inputs), labels)
             losses.append(loss.detach().float())
+            self.rows_checked()  # the data contract's verdict, its collective run behind the first forward
             if i == len(micro) - 1:  # every loss is known: average them while the last backward runs
                 mean_loss = self.start_mean_over_data(torch.stack(losses).mean())
             self.ds.backward(loss if scale is None else loss.float() * scale)

@@ -69,6 +69,7 @@ class DataParallelEngine(NativeEngine):
             with self._before_micro_batch(i == len(micro) - 1):
                 with self.autocast():
                     loss = self.loss_fn(self.call_model(self.wrapped, inputs), labels)
+                self.rows_checked()  # the data contract's verdict, its collective run behind the first forward
                 self.scale(loss / len(micro)).backward()
             losses.append(loss.detach().float())
         self.optimizer_step()
@@ -114,8 +115,11 @@ def build_data_parallel(ctx: BuildContext, groups) -> DataParallelEngine:
     else:
         wrapped = module
     optimizer = native_optimizer(module, recipe, groups, zero1=stage == 1 and replicas > 1)
-    return DataParallelEngine(recipe, layout, ctx.topology, groups, module, device, container=module,
-                              optimizer=optimizer, scaler=build_scaler(recipe, device),
-                              tensor_sharded=ids_of(module, sharded_names), wrapped=wrapped,
-                              loss_fn=ctx.loss_for(groups.tensor_group), data_sharded=stage >= 2,
-                              gathered_through_step=stage == 2)
+    engine = DataParallelEngine(recipe, layout, ctx.topology, groups, module, device, container=module,
+                                optimizer=optimizer, scaler=build_scaler(recipe, device),
+                                tensor_sharded=ids_of(module, sharded_names), wrapped=wrapped,
+                                loss_fn=ctx.loss_for(groups.tensor_group), data_sharded=stage >= 2,
+                                gathered_through_step=stage == 2)
+    # DDP broadcasts buffers in its forward, FSDP2 gathers parameters there
+    engine.forward_is_local = stage < 2 and next(module.buffers(), None) is None
+    return engine

@@ -95,6 +95,7 @@ class PipelineEngine(NativeEngine):
 
     def _run(self, batch, train: bool) -> float:
         inputs, labels = self.local_batch(batch)
+        self.rows_checked()  # the schedule runs forward and backward together: the verdict first
         losses: list[torch.Tensor] = []
         first = self.first_stage_input(inputs)
         args = (first if isinstance(first, tuple) else (first,)) if self.holds_first else ()

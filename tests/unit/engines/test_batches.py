@@ -90,22 +90,35 @@ def test_token_loss_over_pieces_is_the_whole_batch_mean():
     assert abs(float(mean_of_means.detach()) - float(whole.detach())) > 1e-3
 
 
-def test_engine_refuses_a_batch_without_targets():
+def _one_process_engine(rows: int):
+    """An Engine of one process (data 1; no process group: the data contract's all-reduce is skipped) with the
+    default loss, whose train steps are driven through local_batch and rows_checked, as every back end drives them."""
     from types import SimpleNamespace
 
+    from plugin.distributed.topology import Topology
     from plugin.engines.base import Engine
 
     class Probe(Engine):
         train_step = eval_step = save = load = None
 
-    layout = SimpleNamespace(data=1, grad_accum=1, context=1)
-    engine = Probe(None, layout, None, None, torch.nn.Identity(), torch.device("cpu"))
+    layout = SimpleNamespace(data=1, tensor=1, pipeline=1, context=1, grad_accum=1, micro_batch=rows, global_batch=rows)
+    engine = Probe(None, layout, Topology(), SimpleNamespace(dp_rank=0), torch.nn.Identity(), torch.device("cpu"))
     engine.loss_fn = TokenLoss(None, split_logits=False)
+    return engine
+
+
+def _train_batch(engine, batch) -> None:
+    engine.local_batch(batch, "train_step")
+    engine.rows_checked()  # where the back end waits for the verdict, before its first backward
+
+
+def test_engine_refuses_a_batch_without_targets():
+    engine = _one_process_engine(2)
     labels = torch.full((2, 4), -100)
     labels[:, 0] = 3  # only first labels, which the shift drops
     with pytest.raises(PluginError, match="no target token"):
-        engine.prepare_loss(labels, HF)
-    engine.prepare_loss(labels, SHIFTED)
+        _train_batch(engine, {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": labels})
+    _train_batch(engine, (torch.zeros(2, 4, dtype=torch.long), labels))
     assert engine.loss_fn.denominator == 2
 
 
@@ -125,22 +138,13 @@ def test_pipeline_stages_refuse_a_batch_of_another_shape():
 
 
 def test_first_train_step_refuses_labels_of_the_other_convention():
-    from types import SimpleNamespace
-
-    from plugin.engines.base import Engine
-
-    class Probe(Engine):
-        train_step = eval_step = save = load = None
-
-    layout = SimpleNamespace(data=1, grad_accum=1, context=1)
-    engine = Probe(None, layout, None, None, torch.nn.Identity(), torch.device("cpu"))
-    engine.loss_fn = TokenLoss(None, split_logits=False)
+    engine = _one_process_engine(2)
     x = torch.arange(12).reshape(2, 6)
     with pytest.raises(PluginError, match="would learn to copy its input"):
-        engine.prepare_loss(x, SHIFTED, inputs=x)
+        _train_batch(engine, (x, x))
     with pytest.raises(PluginError, match="look already shifted"):
-        engine.prepare_loss(torch.cat([x[:, 1:], x[:, :1]], 1), HF, inputs={"input_ids": x})
-    engine.prepare_loss(x, HF, inputs={"input_ids": x})  # the right conventions pass
-    engine.prepare_loss(x[:, 1:], SHIFTED, inputs=x[:, :-1])
+        _train_batch(engine, {"input_ids": x, "labels": torch.cat([x[:, 1:], x[:, :1]], 1)})
+    _train_batch(engine, {"input_ids": x, "labels": x})  # the right conventions pass
+    _train_batch(engine, (x[:, :-1], x[:, 1:]))
     engine.step_count = 1
-    engine.prepare_loss(x, SHIFTED, inputs=x)  # checked on the first step only
+    _train_batch(engine, (x, x))  # checked on the first step only

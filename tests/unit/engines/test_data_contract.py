@@ -198,27 +198,105 @@ def test_collate_fn_output_is_yielded_as_it_returns_it():
     assert list(ld) == [{"ids": [2, 3]}, {"ids": [6, 7]}]
 
 
-def test_the_fast_verdict_agrees_with_the_message_on_every_kind_of_case():
-    """check_same_rows decides with all_agree (tensor ops) and only then builds the message: both must agree."""
-    from plugin.engines.data_contract import all_agree
+def _reduced(topo, values, tokens=None):
+    """The exchange's table as every rank holds it after the collective: each rank's fingerprint, share tokens and
+    suspect (0), rank order."""
+    tokens = tokens or [7] * topo.world_size
+    return torch.tensor([list(v) + [tokens[r], 0] for r, v in enumerate(values)], dtype=torch.int64)
 
+
+def _ok(topo, values, global_rows, local_rows):
+    from plugin.engines.data_contract import verdict
+
+    return bool(verdict(_reduced(topo, values), topo, global_rows=global_rows, local_rows=local_rows)[0])
+
+
+def test_the_fast_verdict_agrees_with_the_message_on_every_kind_of_case():
+    """The step decides with verdict (tensor ops on the gathered table) and only then builds the message: both
+    must agree, on every layout and every kind of case."""
     topo = Topology(pp_size=2, dp_size=3, tp_size=2)
     x, y = _tokens()
     good = {d: (x.roll(d, 0), y.roll(d, 0)) for d in range(3)}
+    whole = (x.repeat(3, 1), y.repeat(3, 1))
     cases = {
-        "agree": lambda r: good[topo.coord(r).dp],
-        "one tensor rank": lambda r: (x.flip(0), y) if r == topo.rank(1, 2, 1) else good[topo.coord(r).dp],
-        "one stage's labels": lambda r: (good[0][0], y.flip(0)) if topo.coord(r) == (1, 0, 0, 0) else
-        good[topo.coord(r).dp],
-        "per process": lambda r: _tokens(seed=r),
+        "agree": (lambda r: good[topo.coord(r).dp], 8),
+        "one tensor rank": (lambda r: (x.flip(0), y) if r == topo.rank(1, 2, 1) else good[topo.coord(r).dp], 8),
+        "one stage's labels": (lambda r: (good[0][0], y.flip(0)) if topo.coord(r) == (1, 0, 0, 0) else
+                               good[topo.coord(r).dp], 8),
+        "per process": (lambda r: _tokens(seed=r), 8),
+        "the same share everywhere": (lambda r: good[0], 8),
+        "two replicas alike": (lambda r: good[min(topo.coord(r).dp, 1)], 8),
+        "the global batch everywhere": (lambda r: whole, 24),
+        "a global batch per replica": (lambda r: (whole[0].roll(topo.coord(r).dp, 0), whole[1]), 24),
     }
-    for name, batch_of in cases.items():
-        values = _values(topo, batch_of)
-        table = torch.tensor(values, dtype=torch.int64).reshape(-1)
+    for name, (batch_of, rows) in cases.items():
+        values = _values(topo, batch_of, rows)
         message = mismatch_message(values, topo, call="train_step", global_rows=24, local_rows=8)
-        assert all_agree(table, topo, global_rows=24, local_rows=8) == (message is None), name
-    values = _values(topo, cases["agree"])
+        assert _ok(topo, values, 24, 8) == (message is None), (name, message)
+        assert (message is None) == (name in ("agree", "the global batch everywhere")), (name, message)
+    values = _values(topo, cases["agree"][0])
     values[5] = fingerprint(None, 3).tolist()
-    assert not all_agree(torch.tensor(values).reshape(-1), topo, global_rows=24, local_rows=8)
-    values[5] = fingerprint(cases["agree"](5), 24).tolist()[:1] + values[4][1:]  # the global batch given: fine
-    assert all_agree(torch.tensor(values).reshape(-1), topo, global_rows=24, local_rows=8)
+    assert not _ok(topo, values, 24, 8)
+    values = _values(topo, cases["agree"][0])
+    values[5] = fingerprint(whole, 24).tolist()  # one rank the global batch, its peers their share: refused
+    assert not _ok(topo, values, 24, 8)
+    assert "(rows and inputs and labels differ)" in mismatch_message(values, topo, call="train_step", global_rows=24,
+                                                                      local_rows=8)
+
+
+def test_the_global_token_count_is_the_sum_of_the_replicas_shares():
+    from plugin.engines.data_contract import verdict
+
+    topo = Topology(dp_size=3, tp_size=2)
+    x, y = _tokens()
+    values = _values(topo, lambda r: (x.roll(topo.coord(r).dp, 0), y))
+    tokens = [10 * (topo.coord(r).dp + 1) for r in range(topo.world_size)]
+    ok, n, suspect = verdict(_reduced(topo, values, tokens), topo, global_rows=24, local_rows=8).tolist()
+    assert (ok, n, suspect) == (1, 60, 0)
+
+
+# ---------------------------------------------------------------------------- pure data parallelism (issue 21)
+def test_the_tutorial_s_per_process_global_batches_are_refused_with_the_fix():
+    """DataLoader(dataset, batch_size=global, sampler=DistributedSampler(dataset)) at data 2: each rank its own
+    64 rows as "the global batch", of which it keeps 32."""
+    topo = Topology(dp_size=2)
+    values = _values(topo, lambda r: _tokens(rows=64, seed=r), rows=64)
+    msg = mismatch_message(values, topo, call="train_step", global_rows=64, local_rows=32)
+    assert msg.startswith("train_step: every rank passed 64 rows, the global batch, but not the same rows on every "
+                          "data rank (data rank 0 != data rank 1)"), msg
+    assert "64 of the 128 rows passed would train" in msg
+    assert ("DistributedSampler(dataset, num_replicas=engine.data_size, rank=engine.data_rank) (data_size 2 here; "
+            "without those arguments DistributedSampler shards over all 2 processes) with batch_size = micro x "
+            "grad_accum = 32") in msg and "engine.dataloader(dataset)" in msg
+    assert not _ok(topo, values, 64, 32)
+
+
+def test_identical_shares_on_every_data_rank_are_refused():
+    topo = Topology(dp_size=4)
+    values = _values(topo, lambda r: _tokens(seed=r % 2))  # data ranks 0 = 2 and 1 = 3
+    msg = mismatch_message(values, topo, call="train_step", global_rows=32, local_rows=8)
+    assert msg.startswith("train_step: each data rank must train on its own share of the global batch, but data "
+                          "ranks 0, 2 the same 8 rows; data ranks 1, 3 the same 8 rows"), msg
+    assert not _ok(topo, values, 32, 8)
+
+
+def test_a_short_last_batch_names_drop_last_and_the_step_loader():
+    topo = Topology(dp_size=2)
+    values = [fingerprint(_tokens(rows=20, seed=r), 20).tolist() for r in range(2)]
+    msg = mismatch_message(values, topo, call="train_step", global_rows=64, local_rows=32)
+    assert msg.startswith("train_step: every rank got 20 rows; every rank takes the global batch (64 rows) or its "
+                          "data rank's share (micro x grad_accum = 32 rows); a DataLoader ends each epoch with a short "
+                          "batch unless drop_last=True -> DataLoader(..., drop_last=True), or iterate "
+                          "engine.dataloader(dataset)"), msg
+    values[1] = fingerprint(_tokens(rows=32, seed=1), 32).tolist()
+    assert mismatch_message(values, topo, call="train_step", global_rows=64, local_rows=32).startswith(
+        "train_step: rank 0 (data rank 0) got 20 rows;")
+
+
+def test_mixed_global_and_share_across_data_ranks_is_refused():
+    topo = Topology(dp_size=2)
+    values = [fingerprint(_tokens(rows=16), 16).tolist(), fingerprint(_tokens(rows=8, seed=1), 8).tolist()]
+    msg = mismatch_message(values, topo, call="eval_step", global_rows=16, local_rows=8)
+    assert msg.startswith("eval_step: data rank 0 passed the global batch (16 rows) and data rank 1 their share "
+                          "(8 rows)"), msg
+    assert not _ok(topo, values, 16, 8)

@@ -1,0 +1,62 @@
+"""The first mistakes a new user makes with the CLI (issue 21): each one line that says what to do, no traceback."""
+import json
+import os
+import subprocess
+import sys
+
+from .test_cli import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+HEADS_12_AT_TP16 = {"name": "h", "parallelism": {"data": 1, "tensor": 16, "pipeline": 1},
+                    "batch": {"global": 16, "micro": 16},
+                    "model": {"layers": 4, "hidden": 768, "heads": 12, "vocab": 50304, "seq_len": 1024}}
+
+
+def _said(out) -> str:
+    assert "Traceback" not in out.stderr, out.stderr
+    return out.stderr
+
+
+def test_estimate_validates_like_show_and_names_only_written_fields(tmp_path):
+    path = tmp_path / "h.json"
+    path.write_text(json.dumps(HEADS_12_AT_TP16))
+    for command in ("estimate", "show", "validate"):
+        out = cli(command, path)
+        assert out.returncode == 2, (command, out.stdout, out.stderr)
+        said = _said(out)
+        assert "$.model.heads: heads 12 is not divisible by tensor 16" in said and "kv_heads" not in said, said
+        assert "FITS" not in out.stdout
+    written = {**HEADS_12_AT_TP16, "model": {**HEADS_12_AT_TP16["model"], "kv_heads": 4}}
+    path.write_text(json.dumps(written))
+    assert "$.model.kv_heads: kv_heads 4 is not divisible by tensor 16" in _said(cli("validate", path))
+
+
+def test_a_deepspeed_config_an_accelerate_yaml_and_an_empty_file_are_said_for_what_they_are(tmp_path):
+    ds = tmp_path / "ds_config.json"
+    ds.write_text(json.dumps({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+                              "zero_optimization": {"stage": 2}}))
+    acc = tmp_path / "acc.yaml"
+    acc.write_text('compute_environment: "LOCAL_MACHINE"\ndistributed_type: "DEEPSPEED"\nnum_processes: 4\n')
+    empty = tmp_path / "empty.json"
+    empty.write_text("\n")
+    for command in ("validate", "show", "estimate"):
+        said = _said(cli(command, ds)).strip()
+        assert said.count("\n") == 0 and "this is a DeepSpeed config" in said, said
+        assert f"python -m plugin import {ds}" in said and "fp16" not in said, said
+        said = _said(cli(command, acc)).strip()
+        assert said.count("\n") == 0 and "this is an Accelerate config (YAML), not a recipe" in said, said
+        out = cli(command, empty)
+        assert out.returncode == 2 and _said(out).strip() == (
+            f"{empty}: $: the file is empty -> write a recipe there: a recipe is JSON with parallelism, batch and "
+            "model blocks (recipes/cpu_dp4.json is one)")
+    out = cli("import", ds, "-o", tmp_path / "recipe.json")  # what the message says to run works
+    assert out.returncode == 0 and cli("validate", tmp_path / "recipe.json").returncode == 0
+
+
+def test_a_closed_stdout_ends_quietly():
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone before the first line (`| head -1` that already ended)
+    out = subprocess.run([sys.executable, "-m", "plugin", "plan", "--model", "gpt3-125m", "--gpus", "8",
+                          "--gpu-memory", "80GB"], stdout=write, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    os.close(write)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
