@@ -267,6 +267,6 @@ def build(ctx: BuildContext) -> AccelerateEngine:
     elif ctx.on_meta:  # whole, one unit at a time (Accelerate's DDP, ZeRO-1/2 and FSDP2 shard a whole model)
         ctx.materialize()
     loss_fn = ctx.loss_for(groups.tensor_group)
-    optimizer = build_optimizer(model.parameters(), recipe.optimizer)
+    optimizer = build_optimizer(model.parameters(), recipe.optimizer, ctx.decay)  # groups from the whole model
     prepared, optimizer = acc.prepare(model, optimizer)
     return AccelerateEngine(recipe, layout, ctx.topology, groups, acc, prepared, optimizer, loss_fn, mode)

@@ -198,6 +198,9 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
     from ..checkpoint.adapt import model_index, recording_tp
 
     index = model_index(model)  # checkpoints name every tensor as the unsharded model does, with its global shape
+    from .optim import WeightDecay
+
+    decay = WeightDecay.of(model)  # from the true shapes, before a back end shards, partitions or wraps anything
     cuts = apply_tp.cuts
     apply_tp, tp_layouts = recording_tp(apply_tp)  # each sharded parameter's layout, before FSDP2 replaces it
     apply_tp.cuts = cuts  # the plan's cuts, which materialising a meta model re-runs on whole values
@@ -210,7 +213,7 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
     else:
         raise PluginError(f'unknown backend {backend!r} -> use "deepspeed", "accelerate" or "native"')
     engine = build(BuildContext(model=model, recipe=recipe, layout=layout, env=env, device=device,
-                                layers_of=layers_of, apply_tp=apply_tp, loss_for=loss_for,
+                                layers_of=layers_of, apply_tp=apply_tp, loss_for=loss_for, decay=decay,
                                 seed=_seed(seed, weights), units=tuple(units), weights=source))
     _check_nothing_left_on_meta(engine)
     from .lr_schedule import build_lr_schedule

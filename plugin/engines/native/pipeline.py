@@ -148,7 +148,7 @@ def build_pipeline(ctx: BuildContext, groups, bounds: list[int], ties=()) -> Pip
     tied.broadcast_values()
     sharded_names = tensor_sharded_names(container)
     zero1 = recipe.zero.stage == 1 and layout.data > 1
-    optimizer = native_optimizer(container, recipe, groups, zero1=zero1)
+    optimizer = native_optimizer(container, recipe, groups, zero1=zero1, decay=ctx.decay)
     stages = []
     for s, module in modules.items():
         if layout.data > 1:
