@@ -15,7 +15,7 @@ from pathlib import Path
 from ..distributed.env import check_launch, ensure_single_process_env, launch_env
 from ..errors import PluginError, Problem, RecipeError
 from ..interop.precision import PRECISIONS
-from ..recipe.checks import check_native_back_end, load_recipe
+from ..recipe.checks import check_deepspeed_back_end, check_native_back_end, load_recipe
 from ..recipe.spec import Recipe
 from .choose import ACCELERATE_MARK, choose, importable
 from .context import BuildContext
@@ -185,10 +185,11 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
     device = _device(env)
     backend = backend or choose_backend(recipe, device.type)
     _warn_on_launch_precision(recipe, env)
-    if backend == "native":  # chosen because deepspeed is missing: what only DeepSpeed does is refused now
-        problems = [p.with_file(recipe.source) for p in check_native_back_end(recipe, chosen=True)]
-        if problems:
-            _fail(problems, env)
+    # the chosen back end's own rules (a recipe that names no launcher is checked by them only now)
+    rule = {"native": check_native_back_end, "deepspeed": check_deepspeed_back_end}.get(backend)
+    problems = [p.with_file(recipe.source) for p in rule(recipe, layout, chosen=True)] if rule else []
+    if problems:
+        _fail(problems, env)
     from ..tensor_parallel.hooks import tensor_parallel_hooks  # imports torch: not before the checks have passed
 
     apply_tp, loss_for = tensor_parallel_hooks(model, recipe, loss_fn)
