@@ -184,16 +184,18 @@ def check_deepspeed_back_end(recipe: Recipe, layout: Layout | None = None, *, ch
     """bf16 at ZeRO-0 on DeepSpeed without a pipeline, where gradients are summed (``data`` x ``grad_accum`` > 1):
     DeepSpeed 0.19.8 then accumulates the micro-batches' gradients in bf16 (FP16_Optimizer; fp32 accumulation,
     ``data_types.grad_accum_dtype``, it refuses at stage 0 as an "unsupported mix") and keeps the data-parallel sum
-    in bf16, where ZeRO-1, its pipeline engine and the native back end sum in fp32. As a recipe rule only where the
+    in bf16 (all-reduced in fp32, rounded back), where ZeRO-1, its pipeline engine and the native back end keep
+    both in fp32. As a recipe rule only where the
     recipe names that back end (``"launcher": "deepspeed"``) and the layout is known; with ``chosen``, whenever it
     trains: :func:`plugin.engines.initialize.initialize` passes it when the DeepSpeed back end was chosen."""
     if (not chosen and recipe.launcher != "deepspeed") or layout is None:
         return
     if recipe.precision == "bf16" and recipe.zero.stage == 0 and recipe.parallelism.pipeline == 1 \
             and layout.data * layout.grad_accum > 1:
-        yield Problem("$.zero.stage", f"bf16 at ZeRO stage 0 on DeepSpeed sums the gradients of {layout.grad_accum} "
-                      f"micro-batch(es) x {layout.data} data rank(s) in bf16 (DeepSpeed refuses fp32 accumulation "
-                      "at stage 0), where every other layout sums them in fp32",
+        yield Problem("$.zero.stage", f"bf16 at ZeRO stage 0 on DeepSpeed accumulates the gradients of "
+                      f"{layout.grad_accum} micro-batch(es) in bf16 and keeps their sum over {layout.data} data "
+                      "rank(s) in bf16 (DeepSpeed refuses fp32 accumulation at stage 0), where every other layout "
+                      "keeps them in fp32",
                       'use "zero": {"stage": 1} (fp32 sums, less optimizer memory), or the native back end '
                       '("launcher": "torchrun")')
 

@@ -15,8 +15,11 @@ rel 1e-5 (tensor parallelism 1e-4: its split reductions); the same process with 
 bf16: one process of the same back end and arithmetic is the reference (native: autocast over fp32 parameters, or
 FSDP2's bf16 parameters; DeepSpeed: bf16 parameters with fp32 masters at ZeRO-1), with the layout's micro-batch size.
 Then only the order of the fp32 sums differs, and what that moves is a master weight's bf16 rounding (one bf16 ulp
-is 3.9e-3 relative): the tolerance is BF16_RTOL, measured below. DeepSpeed at ZeRO-0 (which sums in bf16) is refused
-on the DeepSpeed back end, before any process group.
+is 3.9e-3 relative). Measured over the 6 steps: native 2.8e-5 (FSDP2 6e-8), DeepSpeed 8e-5 to 1.6e-4 (pipeline);
+BF16_RTOL 5e-4 leaves 3x. What these 6 steps do not see is DeepSpeed's bf16 sums at ZeRO-1..3 (without
+``communication_data_type`` / ``grad_accum_dtype`` fp32: 7e-5 to 1.1e-4 off, measured): the export's unit test
+pins those keys.
+DeepSpeed at ZeRO-0 (which sums in bf16) is refused on the DeepSpeed back end, before any process group.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from .reference import gpt_reference
 
 pytestmark = [pytest.mark.dist]
 
-STEPS, RTOL, TP_RTOL, BF16_RTOL, CLIP = 6, 1e-5, 1e-4, 2e-3, 0.3
+STEPS, RTOL, TP_RTOL, BF16_RTOL, CLIP = 6, 1e-5, 1e-4, 5e-4, 0.3
 OPTIMIZER = {"optimizer": {"name": "sgd", "lr": 0.5, "momentum": 0.9, "weight_decay": 0.5},
              "gradient_clipping": CLIP}
 WEIGHTS_SEED = 5  # the weights= files: another model than seed 0's init, so a run that ignored them would differ

@@ -42,6 +42,18 @@ def _recipe(**extra):
     return recipe
 
 
+def test_bf16_gradients_are_summed_in_fp32_unless_the_deepspeed_block_says_otherwise():
+    """DeepSpeed sums bf16 gradients in bf16 by default; the fp32 sums are pinned here, as the 6-step parity test
+    (tests/dist/test_optimizer_parity.py) does not see them (7e-5 to 1.1e-4 off without them, 8e-5 to 1.6e-4 with)."""
+    for stage in (0, 1, 2, 3):
+        cfg = to_ds_config(_recipe(precision="bf16", zero={"stage": stage}))
+        assert cfg["communication_data_type"] == "fp32", stage
+        assert cfg.get("data_types") == ({"grad_accum_dtype": "fp32"} if stage else None), stage  # refused at 0
+    assert "communication_data_type" not in to_ds_config(_recipe())
+    own = to_ds_config(_recipe(precision="bf16", deepspeed={"communication_data_type": "bf16"}))
+    assert own["communication_data_type"] == "bf16"
+
+
 def test_adam_is_not_silently_adamw():
     cfg = to_ds_config(_recipe(optimizer={"name": "adam"}))
     assert cfg["optimizer"]["type"] == "Adam" and cfg["optimizer"]["params"]["adam_w_mode"] is False
