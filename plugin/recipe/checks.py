@@ -185,9 +185,9 @@ def check_deepspeed_back_end(recipe: Recipe, layout: Layout | None = None, *, ch
     DeepSpeed 0.19.8 then accumulates the micro-batches' gradients in bf16 (FP16_Optimizer; fp32 accumulation,
     ``data_types.grad_accum_dtype``, it refuses at stage 0 as an "unsupported mix") and keeps the data-parallel sum
     in bf16 (all-reduced in fp32, rounded back), where ZeRO-1, its pipeline engine and the native back end keep
-    both in fp32. As a recipe rule only where the
-    recipe names that back end (``"launcher": "deepspeed"``) and the layout is known; with ``chosen``, whenever it
-    trains: :func:`plugin.engines.initialize.initialize` passes it when the DeepSpeed back end was chosen."""
+    both in fp32. As a recipe rule only where the recipe names that back end (``"launcher": "deepspeed"``) and the
+    layout is known; with ``chosen``, whenever it trains: :func:`plugin.engines.initialize.initialize` passes it
+    when the DeepSpeed back end was chosen."""
     if (not chosen and recipe.launcher != "deepspeed") or layout is None:
         return
     if recipe.precision == "bf16" and recipe.zero.stage == 0 and recipe.parallelism.pipeline == 1 \
