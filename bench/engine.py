@@ -74,7 +74,7 @@ def hand_written(recipe, model, sized: bool):
 
     from plugin.distributed.groups import build_groups
     from plugin.distributed.topology import Topology
-    from plugin.engines.optim import build_optimizer
+    from plugin.engines.optim import WeightDecay, build_optimizer
     from plugin.models.gpt import gpt_loss
     from plugin.tensor_parallel import apply_tensor_parallel
 
@@ -84,7 +84,8 @@ def hand_written(recipe, model, sized: bool):
         tp_group = mpu.tensor_group
         model = apply_tensor_parallel(model, "auto", tp_group)
     config = hand_config(recipe, model, sized)  # buckets sized to this rank's (sharded) parameters
-    engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model.parameters(), recipe.optimizer),
+    engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model.parameters(), recipe.optimizer,
+                                                                              WeightDecay.of(model)),
                                       config=config, mpu=mpu)
     return engine, (lambda out, y: gpt_loss(out, y, tp_group))
 

@@ -120,7 +120,7 @@ def _zero_init(recipe, cfg, marks: dict, base: int):
     import deepspeed
 
     from plugin.engines.deepspeed.config import engine_config
-    from plugin.engines.optim import build_optimizer
+    from plugin.engines.optim import WeightDecay, build_optimizer
     from plugin.models.gpt import GPT
 
     config = engine_config(recipe, WORLD, use_ds_optimizer=False)
@@ -128,7 +128,7 @@ def _zero_init(recipe, cfg, marks: dict, base: int):
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = GPT(cfg)
     marks["model"] = _status("VmHWM") - base
-    optimizer = build_optimizer(model.parameters(), recipe.optimizer)
+    optimizer = build_optimizer(model.parameters(), recipe.optimizer, WeightDecay.of(model))
     ds, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     from plugin.engines.memory import deepspeed_state_bytes
 
@@ -142,7 +142,7 @@ def _fsdp2_meta(recipe, cfg, marks: dict, base: int):
     from torch.distributed.fsdp import fully_shard
 
     from plugin.engines.memory import held_bytes
-    from plugin.engines.optim import build_optimizer
+    from plugin.engines.optim import WeightDecay, build_optimizer
     from plugin.materialize.run import seeded
     from plugin.models.gpt import GPT
 
@@ -157,7 +157,7 @@ def _fsdp2_meta(recipe, cfg, marks: dict, base: int):
         for name, module in model.named_modules():  # torchtitan's init_weights: in place, on the local shards
             model.init_module(name, module)
     marks["model"] = _status("VmHWM") - base
-    optimizer = build_optimizer(model.parameters(), recipe.optimizer)
+    optimizer = build_optimizer(model.parameters(), recipe.optimizer, WeightDecay.of(model))
     return held_bytes(model, optimizer)
 
 

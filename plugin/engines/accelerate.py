@@ -17,7 +17,8 @@ The Accelerator is fed from the recipe, not from the launch flags:
   (:attr:`~plugin.engines.base.Engine.input_dtype`, as on the DeepSpeed engine).
 * ``"fsdp"`` (ZeRO-2/3 on CUDA without deepspeed or transformers):
   ``FullyShardedDataParallelPlugin(fsdp_version=2)``, ``reshard_after_forward`` for ZeRO-3, CPU offload from
-  the recipe, each transformer layer class wrapped.
+  the recipe, each transformer layer class wrapped; under bf16/fp16 ``mixed_precision_policy`` reduces in fp32
+  (Accelerate's default reduces in the compute dtype).
 
 A model built on the meta device: under the DeepSpeed plugin at ZeRO-3 each unit is made whole, partitioned over
 the data group at once (:class:`plugin.materialize.sinks.Zero3Sink`, DeepSpeed's ``zero.Init(module=)``, as the
@@ -190,6 +191,13 @@ class AccelerateEngine(Engine):
         return held_bytes(self.accelerator.unwrap_model(self.model), optimizer)
 
 
+def _fsdp_precision(recipe) -> dict | None:
+    """Accelerate's FSDP2 plugin reduces gradients in the compute dtype by default (``reduce_dtype=bf16``): in fp32
+    here, as the native back end's FSDP2 and DeepSpeed's bf16 do (:mod:`plugin.engines.native.fsdp`)."""
+    dtype = compute_dtype(recipe)
+    return {"param_dtype": dtype, "reduce_dtype": torch.float32} if dtype is not None else None
+
+
 def _plugins(mode: str, recipe, world_size: int, cuda: bool, model, layers_of: Callable, timeout) -> dict:
     from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs
 
@@ -217,7 +225,7 @@ def _plugins(mode: str, recipe, world_size: int, cuda: bool, model, layers_of: C
             fsdp_version=2, reshard_after_forward=z.stage == 3,
             cpu_offload=CPUOffloadPolicy() if offload else False, state_dict_type="SHARDED_STATE_DICT",
             auto_wrap_policy="transformer_based_wrap" if layer_classes else "no_wrap",
-            transformer_cls_names_to_wrap=layer_classes or None)
+            transformer_cls_names_to_wrap=layer_classes or None, mixed_precision_policy=_fsdp_precision(recipe))
     else:
         kwargs["cpu"] = not cuda
     return kwargs
@@ -270,6 +278,10 @@ def build(ctx: BuildContext) -> AccelerateEngine:
     elif ctx.on_meta:  # whole, one unit at a time (Accelerate's DDP, ZeRO-1/2 and FSDP2 shard a whole model)
         ctx.materialize()
     loss_fn = ctx.loss_for(groups.tensor_group)
-    optimizer = build_optimizer(model.parameters(), recipe.optimizer)
+    optimizer = build_optimizer(model.parameters(), recipe.optimizer, ctx.decay)  # groups from the whole model
+    if mode == "deepspeed":  # DeepSpeed keeps the last engine's mpu (a pipeline's grid too) as a module global
+        from deepspeed.utils import groups as ds_groups
+
+        ds_groups.mpu = None  # Accelerate passes none: its engine would read that one
     prepared, optimizer = acc.prepare(model, optimizer)
     return AccelerateEngine(recipe, layout, ctx.topology, groups, acc, prepared, optimizer, loss_fn, mode)

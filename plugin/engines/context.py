@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # annotations only: this module imports no torch of its own
     from ..distributed.env import LaunchEnv
     from ..recipe.layout import Layout
     from ..recipe.spec import Recipe
+    from .optim import WeightDecay
 
 
 @dataclass(frozen=True, eq=False)
@@ -29,7 +30,9 @@ class BuildContext:
     world. ``device``: where this rank computes. ``layers_of(model)``: the model as an ordered layer list, for
     pipeline stages and FSDP2 units. ``apply_tp(model, tp_group, pp_rank=0)``: shards it with the recipe's
     tensor-parallel plan. ``loss_for(tp_group)``: the loss function, once the tensor group exists.
-    ``seed``: the init seed of meta tensors; ``units``: what :meth:`materialize` fills; ``weights``: where their
+    ``decay``: which parameters weight decay applies to, decided from the whole model
+    (:class:`plugin.engines.optim.WeightDecay`): every back end groups its optimizer by it. ``seed``: the init seed
+    of meta tensors; ``units``: what :meth:`materialize` fills; ``weights``: where their
     values come from instead (a :class:`plugin.materialize.weights.SafetensorsWeights`), or None for the init.
     ``guard``: this rank's hang guard (:class:`plugin.watchdog.guard.Guard`; None in a world of one): the back end
     calls :meth:`joined` as soon as its default process group exists, and gives every group it makes
@@ -44,6 +47,7 @@ class BuildContext:
     layers_of: Callable
     apply_tp: Callable
     loss_for: Callable
+    decay: WeightDecay
     seed: int = 0
     units: tuple = ()  # the meta model's init units (plugin.materialize.capture); empty for an eager model
     weights: Any = None  # initialize(weights=DIR): the units are filled from these files, each rank its part

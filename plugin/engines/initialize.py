@@ -15,7 +15,7 @@ from pathlib import Path
 from ..distributed.env import check_launch, ensure_single_process_env, launch_env
 from ..errors import PluginError, Problem, RecipeError
 from ..interop.precision import PRECISIONS
-from ..recipe.checks import check_native_back_end, load_recipe
+from ..recipe.checks import check_deepspeed_back_end, check_native_back_end, load_recipe
 from ..recipe.spec import Recipe
 from .choose import ACCELERATE_MARK, choose, importable
 from .context import BuildContext
@@ -215,10 +215,11 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
     _warn_on_launch_precision(recipe, env)
     if recipe.parallelism.context > 1:
         _check_context_parallel(model, recipe, backend, env)
-    if backend == "native":  # chosen because deepspeed is missing: what only DeepSpeed does is refused now
-        problems = [p.with_file(recipe.source) for p in check_native_back_end(recipe, chosen=True)]
-        if problems:
-            _fail(problems, env)
+    # the chosen back end's own rules (a recipe that names no launcher is checked by them only now)
+    rule = {"native": check_native_back_end, "deepspeed": check_deepspeed_back_end}.get(backend)
+    problems = [p.with_file(recipe.source) for p in rule(recipe, layout, chosen=True)] if rule else []
+    if problems:
+        _fail(problems, env)
     from ..tensor_parallel.hooks import tensor_parallel_hooks  # imports torch: not before the checks have passed
 
     apply_tp, loss_for = tensor_parallel_hooks(model, recipe, loss_fn)
@@ -228,6 +229,9 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
     from ..checkpoint.adapt import model_index, recording_tp
 
     index = model_index(model)  # checkpoints name every tensor as the unsharded model does, with its global shape
+    from .optim import WeightDecay
+
+    decay = WeightDecay.of(model)  # from the true shapes, before a back end shards, partitions or wraps anything
     cuts = apply_tp.cuts
     apply_tp, tp_layouts = recording_tp(apply_tp)  # each sharded parameter's layout, before FSDP2 replaces it
     apply_tp.cuts = cuts  # the plan's cuts, which materialising a meta model re-runs on whole values
@@ -244,7 +248,7 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
     guard = prepare(recipe, env, device.type, job_dir)  # before any process group: rank 0 may fork its store
     try:
         engine = build(BuildContext(model=model, recipe=recipe, layout=layout, env=env, device=device,
-                                    layers_of=layers_of, apply_tp=apply_tp, loss_for=loss_for,
+                                    layers_of=layers_of, apply_tp=apply_tp, loss_for=loss_for, decay=decay,
                                     seed=_seed(seed, weights), units=tuple(units), weights=source, guard=guard))
         _check_nothing_left_on_meta(engine)
         from .lr_schedule import build_lr_schedule

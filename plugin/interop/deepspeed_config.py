@@ -27,6 +27,20 @@ def _offload(device: str, nvme_path: str | None) -> dict:
     return out
 
 
+def bf16_sums_in_fp32(stage: int) -> dict:
+    """The keys that make DeepSpeed's bf16 sum gradients in fp32, as the native back end does (DeepSpeed 0.19.8
+    otherwise sums both in bf16: ``communication_data_type`` defaults to the model's dtype, and
+    ``data_types.grad_accum_dtype`` too). From ZeRO-1 on, fp32 accumulation (at ZeRO-1 DeepSpeed's BF16_Optimizer,
+    at ZeRO-2/3 the ZeRO optimizer's fp32 gradient partitions); at ZeRO-0 DeepSpeed refuses it ("unsupported mix"),
+    and only its pipeline engine accumulates in fp32 there (BF16_Optimizer):
+    :func:`plugin.recipe.checks.check_deepspeed_back_end` refuses ZeRO-0 bf16 without a pipeline wherever gradients
+    are summed."""
+    out: dict[str, Any] = {"communication_data_type": "fp32"}
+    if stage >= 1:
+        out["data_types"] = {"grad_accum_dtype": "fp32"}
+    return out
+
+
 def recipe_ds_config(recipe, layout) -> dict:
     """The keys the recipe itself decides, before the raw ``deepspeed`` block is merged."""
     z = recipe.zero
@@ -49,6 +63,8 @@ def recipe_ds_config(recipe, layout) -> dict:
         cfg["fp16"].update({"loss_scale": scale.loss_scale, "initial_scale_power": scale.initial_scale_power,
                             "loss_scale_window": scale.loss_scale_window, "hysteresis": scale.hysteresis,
                             "min_loss_scale": scale.min_loss_scale})
+    if recipe.precision == "bf16":  # gradients summed in fp32, over micro-batches and over data ranks
+        cfg.update(bf16_sums_in_fp32(z.stage))
     cfg["optimizer"] = ds_optimizer(recipe.optimizer)
     scheduler = to_ds_scheduler(recipe)  # DeepSpeed's nearest to the recipe's lr_schedule (deepspeed_scheduler.py)
     if scheduler is not None:

@@ -218,6 +218,26 @@ def check_native_back_end(recipe: Recipe, layout: Layout | None = None, *, chose
                       'set "stage": 2 or 3, or "launcher": "deepspeed" with deepspeed installed')
 
 
+def check_deepspeed_back_end(recipe: Recipe, layout: Layout | None = None, *, chosen: bool = False) -> Problems:
+    """bf16 at ZeRO-0 on DeepSpeed without a pipeline, where gradients are summed (``data`` x ``grad_accum`` > 1):
+    DeepSpeed 0.19.8 then accumulates the micro-batches' gradients in bf16 (FP16_Optimizer; fp32 accumulation,
+    ``data_types.grad_accum_dtype``, it refuses at stage 0 as an "unsupported mix") and keeps the data-parallel sum
+    in bf16 (all-reduced in fp32, rounded back), where ZeRO-1, its pipeline engine and the native back end keep
+    both in fp32. As a recipe rule only where the recipe names that back end (``"launcher": "deepspeed"``) and the
+    layout is known; with ``chosen``, whenever it trains: :func:`plugin.engines.initialize.initialize` passes it
+    when the DeepSpeed back end was chosen."""
+    if (not chosen and recipe.launcher != "deepspeed") or layout is None:
+        return
+    if recipe.precision == "bf16" and recipe.zero.stage == 0 and recipe.parallelism.pipeline == 1 \
+            and layout.data * layout.grad_accum > 1:
+        yield Problem("$.zero.stage", f"bf16 at ZeRO stage 0 on DeepSpeed accumulates the gradients of "
+                      f"{layout.grad_accum} micro-batch(es) in bf16 and keeps their sum over {layout.data} data "
+                      "rank(s) in bf16 (DeepSpeed refuses fp32 accumulation at stage 0), where every other layout "
+                      "keeps them in fp32",
+                      'use "zero": {"stage": 1} (fp32 sums, less optimizer memory), or the native back end '
+                      '("launcher": "torchrun")')
+
+
 def check_precision_and_optimizer(recipe: Recipe, layout: Layout | None) -> Problems:
     if recipe.fp16 is not None and recipe.precision != "fp16":
         yield Problem("$.fp16", f'a loss-scale block with precision "{recipe.precision}" is ignored',
@@ -299,8 +319,9 @@ def check_name(recipe: Recipe, layout: Layout | None) -> Problems:
 
 
 RULES = (check_zero, check_batch_and_world, check_model_dims, check_tensor_parallel, check_context_parallel,
-         check_pipeline, check_activation_checkpointing, check_native_back_end, check_precision_and_optimizer,
-         check_lr_schedule, check_watchdog, check_cluster, check_name, check_deepspeed_block)
+         check_pipeline, check_activation_checkpointing, check_native_back_end, check_deepspeed_back_end,
+         check_precision_and_optimizer, check_lr_schedule, check_watchdog, check_cluster, check_name,
+         check_deepspeed_block)
 
 
 def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]:

@@ -61,11 +61,11 @@ def _reference(recipe, dataset) -> list[float]:
     """One process on the whole global batches of the same loader (data rank 0 of 1)."""
     from plugin.data.loader import StepLoader
     from plugin.models.gpt import GPT, GPTConfig, gpt_loss
-    from plugin.engines.optim import build_optimizer
+    from plugin.engines.optim import WeightDecay, build_optimizer
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.from_recipe_model(recipe.model))
-    opt = build_optimizer(model.parameters(), recipe.optimizer)
+    opt = build_optimizer(model.parameters(), recipe.optimizer, WeightDecay.of(model))
     losses = []
     for _, (x, y) in zip(range(STEPS), StepLoader(dataset, global_batch=recipe.layout().global_batch,
                                                   data_rank=0, data_size=1, seed=SEED).stream()):

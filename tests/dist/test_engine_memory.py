@@ -47,7 +47,7 @@ def _measure(rank, world_size):
     from plugin.data.text import TextBatches
     from plugin.engines.memory import held_bytes
     from plugin.models.gpt import GPT, GPTConfig
-    from plugin.engines.optim import param_groups
+    from plugin.engines.optim import WeightDecay
 
     out = []
     for name, stage in CASES:
@@ -60,7 +60,8 @@ def _measure(rank, world_size):
         engine.ds.backward(engine.loss_fn(engine.ds(x), y))
         # the parameter groups the plugin gives DeepSpeed, in order: what ZeRO-1/2 flattens and partitions
         groups = [[p.numel() for p in g["params"]]
-                  for g in param_groups(engine.ds.module.parameters(), recipe.optimizer.weight_decay)]
+                  for g in WeightDecay.of(engine.ds.module).groups(engine.ds.module.parameters(),
+                                                                    recipe.optimizer.weight_decay)]
         out.append({"held": held_bytes(engine.ds.module, engine.ds.optimizer), "groups": groups,
                     "bucket": int(engine.ds.zero_reduce_bucket_size())})
     return out

@@ -48,7 +48,7 @@ from ...tensor_parallel.random import tensor_parallel_rngs
 from ...tensor_parallel.recompute import checkpoint_func
 from ..base import Engine
 from ..context import BuildContext
-from ..optim import build_optimizer, param_groups
+from ..optim import build_optimizer
 from ..precision import compute_dtype
 from ..shm import release_shm_buffer
 from . import state, tied
@@ -278,10 +278,11 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
             ctx.materialize()
         if not (ctx.on_meta and recipe.zero.stage == 3):
             module.to(device)
+    # the groups decided on the whole model (ctx.decay): under meta init ZeRO-3 has partitioned every parameter by now
     if choice.deepspeed_op:
-        optimizer, params = None, param_groups(module.parameters(), recipe.optimizer.weight_decay)
+        optimizer, params = None, ctx.decay.groups(module.parameters(), recipe.optimizer.weight_decay)
     else:
-        optimizer, params = build_optimizer(module.parameters(), recipe.optimizer, fused=choice.fused), None
+        optimizer, params = build_optimizer(module.parameters(), recipe.optimizer, ctx.decay, fused=choice.fused), None
     ds_engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, model_parameters=params,
                                               config=config, mpu=mpu)
     keep_grad_norm(ds_engine)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ...distributed.clipping import clip_by_global_norm
 from ..base import Engine
 from ..choose import accelerate_mode, importable, launched_by_accelerate
-from ..optim import build_optimizer, optimizer_class_and_kwargs, param_groups
+from ..optim import build_optimizer, optimizer_class_and_kwargs
 from ..precision import compute_dtype, loss_scaler_kwargs
 from . import state
 
@@ -46,14 +46,16 @@ def ids_of(module: torch.nn.Module, names: set[str]) -> set[int]:
     return {id(p) for n, p in module.named_parameters() if n in names}
 
 
-def native_optimizer(module, recipe, groups, zero1: bool):
-    """The recipe's torch optimizer, or ZeroRedundancyOptimizer over the data (x context) group for ZeRO-1."""
+def native_optimizer(module, recipe, groups, zero1: bool, decay):
+    """The recipe's torch optimizer, or ZeroRedundancyOptimizer over the data (x context) group for ZeRO-1, over
+    ``module``'s parameters grouped by ``decay`` (:class:`plugin.engines.optim.WeightDecay`, decided on the whole
+    model)."""
     if not zero1:
-        return build_optimizer(module.parameters(), recipe.optimizer)
+        return build_optimizer(module.parameters(), recipe.optimizer, decay)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     cls, kwargs = optimizer_class_and_kwargs(recipe.optimizer)
-    return ZeroRedundancyOptimizer(param_groups(module.parameters(), recipe.optimizer.weight_decay),
+    return ZeroRedundancyOptimizer(decay.groups(module.parameters(), recipe.optimizer.weight_decay),
                                    optimizer_class=cls, process_group=groups.data_context_group,
                                    parameters_as_bucket_view=True, **kwargs)  # one broadcast per rank, not per tensor
 

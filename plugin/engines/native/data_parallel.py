@@ -114,7 +114,7 @@ def build_data_parallel(ctx: BuildContext, groups) -> DataParallelEngine:
         wrapped = wrap_ddp(module, groups, device)
     else:
         wrapped = module
-    optimizer = native_optimizer(module, recipe, groups, zero1=stage == 1 and replicas > 1)
+    optimizer = native_optimizer(module, recipe, groups, zero1=stage == 1 and replicas > 1, decay=ctx.decay)
     engine = DataParallelEngine(recipe, layout, ctx.topology, groups, module, device, container=module,
                                 optimizer=optimizer, scaler=build_scaler(recipe, device),
                                 tensor_sharded=ids_of(module, sharded_names), wrapped=wrapped,

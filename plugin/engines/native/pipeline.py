@@ -157,7 +157,7 @@ def build_pipeline(ctx: BuildContext, groups, bounds: list[int], ties=()) -> Pip
     sharded_names = tensor_sharded_names(container)
     replicas = groups.data_context_size  # ranks holding the same stage: data x context
     zero1 = recipe.zero.stage == 1 and replicas > 1
-    optimizer = native_optimizer(container, recipe, groups, zero1=zero1)
+    optimizer = native_optimizer(container, recipe, groups, zero1=zero1, decay=ctx.decay)
     stages = []
     for s, module in modules.items():
         if replicas > 1:

@@ -3,7 +3,7 @@ import pytest
 
 from plugin.engines.choose import ACCELERATE_MARK, accelerate_mode, choose, launched_by_accelerate
 from plugin.errors import PluginError
-from plugin.recipe.checks import check_native_back_end, check_recipe, load_recipe
+from plugin.recipe.checks import check_deepspeed_back_end, check_native_back_end, check_recipe, load_recipe
 from plugin.recipe.spec import Recipe
 
 ACCELERATE = {ACCELERATE_MARK: "no"}
@@ -97,6 +97,25 @@ def test_what_the_native_back_end_refuses():
     stage1 = recipe(zero={"stage": 1, "offload_optimizer": "cpu"})
     assert [p.path for p in check_native_back_end(stage1, chosen=True)] == ["$.zero.offload_optimizer"]
     assert not list(check_native_back_end(recipe("cpu_zero3_dp4", zero={"offload_param": "cpu"}), chosen=True))
+
+
+def test_deepspeed_refuses_bf16_sums_at_zero0_only_where_gradients_are_summed():
+    def refused(r, **kwargs):
+        return [p.path for p in check_deepspeed_back_end(r, r.layout(), **kwargs)]
+
+    bf16 = recipe(zero={"stage": 0}, precision="bf16")  # 4 data ranks
+    assert refused(bf16, chosen=True) == ["$.zero.stage"]
+    assert not refused(bf16), '"launcher": "auto": refused only once DeepSpeed is chosen'
+    assert [p.path for p in check_recipe(recipe(zero={"stage": 0}, precision="bf16", launcher="deepspeed"))
+            if p.is_error] == ["$.zero.stage"]
+    accumulates = recipe("cpu_single", zero={"stage": 0}, precision="bf16")  # 1 rank, 4 micro-batches
+    assert refused(accumulates, chosen=True) == ["$.zero.stage"]
+    one = recipe("cpu_single", zero={"stage": 0}, precision="bf16", batch={"global": 4, "micro": 4})
+    assert not refused(one, chosen=True), "one micro-batch on one rank: nothing is summed"
+    assert not refused(recipe(precision="bf16"), chosen=True), "ZeRO-1 sums in fp32"
+    assert not refused(recipe("cpu_pp2_dp2", precision="bf16", zero={"stage": 0}), chosen=True), \
+        "the pipeline engine's BF16_Optimizer sums in fp32"
+    assert not refused(recipe(zero={"stage": 0}), chosen=True)
 
 
 def test_interleaved_rounds_must_be_equal():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from plugin.engines.deepspeed.optimizer import choose_optimizer, cpu_adam_error
-from plugin.engines.optim import build_optimizer
+from plugin.engines.optim import WeightDecay, build_optimizer
 from plugin.recipe.checks import load_recipe
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
@@ -66,11 +66,12 @@ def test_offloaded_adam_on_cuda_falls_back_to_torch_when_cpu_adam_cannot_build(n
 
 
 def test_fused_reaches_torchs_adam_only():
-    params = [torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))]
+    model = torch.nn.Linear(2, 2)
+    params, decay = list(model.parameters()), WeightDecay.of(model)
     recipe = _recipe()
-    opt = build_optimizer(params, recipe.optimizer, fused=True)
+    opt = build_optimizer(params, recipe.optimizer, decay, fused=True)
     assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"] is True
     assert [g["weight_decay"] for g in opt.param_groups] == [recipe.optimizer.weight_decay, 0.0]
-    assert not build_optimizer(params, recipe.optimizer).defaults["fused"]
-    assert "fused" not in build_optimizer(params, _recipe("sgd").optimizer, fused=True).defaults or \
-        not build_optimizer(params, _recipe("sgd").optimizer, fused=True).defaults["fused"]
+    assert not build_optimizer(params, recipe.optimizer, decay).defaults["fused"]
+    assert "fused" not in build_optimizer(params, _recipe("sgd").optimizer, decay, fused=True).defaults or \
+        not build_optimizer(params, _recipe("sgd").optimizer, decay, fused=True).defaults["fused"]

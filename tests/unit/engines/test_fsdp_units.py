@@ -30,3 +30,22 @@ def test_a_transformers_llama_gets_one_unit_per_decoder_layer_named_by_no_split_
     assert fsdp_units(model, layers_of) == list(model.model.layers)  # not the stage wrappers layers_of makes
     assert no_split_classes(model) == ["LlamaDecoderLayer"]
     assert fsdp_layer_classes(model, layers_of) == sorted(model._no_split_modules)  # what Accelerate's FSDP2 wraps
+
+
+def test_accelerates_fsdp2_plugin_reduces_bf16_gradients_in_fp32():
+    """Accelerate's own default would reduce them in bf16 (``reduce_dtype`` = the compute dtype); CUDA-only mode,
+    so only the plugin it is handed is checked here."""
+    pytest.importorskip("accelerate")
+    from plugin.engines.accelerate import _plugins
+    from plugin.recipe.checks import load_recipe
+    from plugin.recipe.spec import Recipe
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab=32, hidden=16, layers=2, heads=2, seq_len=8))
+    def policy(precision):
+        recipe = Recipe.from_dict({**load_recipe("cpu_zero3_dp4").to_dict(), "precision": precision})
+        return _plugins("fsdp", recipe, 4, True, model, layers_of, None)["fsdp_plugin"].mixed_precision_policy
+
+    bf16 = policy("bf16")
+    assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32), bf16
+    assert policy("fp32") is None, "fp32: FSDP2's default policy, nothing cast"

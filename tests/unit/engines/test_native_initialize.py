@@ -80,6 +80,7 @@ def test_accelerate_engine_without_transformers_explains_instead_of_crashing(mon
     from plugin.distributed.env import launch_env
     from plugin.engines import accelerate as accelerate_engine
     from plugin.engines.context import BuildContext
+    from plugin.engines.optim import WeightDecay
 
     monkeypatch.setitem(sys.modules, "transformers", None)
     assert not accelerate_engine.importable("transformers")
@@ -87,7 +88,8 @@ def test_accelerate_engine_without_transformers_explains_instead_of_crashing(mon
     monkeypatch.setenv("RANK", "0")
     r = load_recipe("cpu_dp4")
     with pytest.raises(PluginError, match="transformers is not installed.*-> pip install transformers"):
-        accelerate_engine.build(BuildContext(model=torch.nn.Linear(2, 2), recipe=r, layout=r.layout(4),
-                                             env=launch_env(), device=torch.device("cpu"), layers_of=None,
-                                             apply_tp=None, loss_for=None))
+        model = torch.nn.Linear(2, 2)
+        accelerate_engine.build(BuildContext(model=model, recipe=r, layout=r.layout(4), env=launch_env(),
+                                             device=torch.device("cpu"), layers_of=None, apply_tp=None,
+                                             loss_for=None, decay=WeightDecay.of(model)))
     assert not torch.distributed.is_initialized()
