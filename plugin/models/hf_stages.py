@@ -285,8 +285,8 @@ class DecoderLayer(_Stage):
             raise _Stop(self.layer(hidden, *args, **kwargs))
 
         base = getattr(window.model, window.plan.base)
-        return (window.run_to(self.index, handler, base, inputs_embeds=hidden, **window.inputs(hidden, mask, pos)), mask,
-                pos)
+        out = window.run_to(self.index, handler, base, inputs_embeds=hidden, **window.inputs(hidden, mask, pos))
+        return out, mask, pos
 
 
 class Head(_Stage):
