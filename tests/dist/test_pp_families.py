@@ -90,6 +90,7 @@ def reference(family: str) -> tuple[list[float], float, list[float]]:
 
 
 def grad_norm(engine):
+    """The last step's global gradient norm (DeepSpeed's pipeline engine records it under ZeRO-1)."""
     if engine.backend != "deepspeed":
         return engine.last_grad_norm
     norm = engine.ds.get_global_grad_norm()
@@ -120,9 +121,8 @@ def check(results, families):
         assert min(norms) > CLIP, f"{family}: gradient norms {norms} not above the clipping {CLIP}: it would not act"
         if losses != pytest.approx(ref, rel=REL):
             failures.append(f"{family}: losses {losses} vs one process {ref}")
-        norms_seen = [r[family][1] for r in results if r[family][1] is not None]
-        if norms_seen and norms_seen[0] != pytest.approx(ref_norm, rel=REL):
-            failures.append(f"{family}: grad norm {norms_seen[0]} vs one process {ref_norm}")
+        if norm is None or norm != pytest.approx(ref_norm, rel=REL):  # rank 0's: the global norm, every stage in it
+            failures.append(f"{family}: grad norm {norm} vs one process {ref_norm}")
     assert not failures, "\n".join(failures)
 
 
