@@ -83,13 +83,18 @@ def reference(family: str) -> tuple[list[float], float, list[float]]:
     optimizer = build_optimizer(model.parameters(), recipe.optimizer)
     losses, norms = [], []
     batch = padded_batch(data["batch"]["global"], data["model"]["vocab"])
-    for _ in range(STEPS):
-        loss = model(**batch, use_cache=False).loss
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.detach()))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: a second OpenMP thread spins on a loaded machine (182 s -> 8 s wall)
+    try:
+        for _ in range(STEPS):
+            loss = model(**batch, use_cache=False).loss
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+    finally:
+        torch.set_num_threads(threads)
     return losses, norms[-1], norms
 
 
