@@ -60,9 +60,10 @@ def parse_args(argv=None):
     p.add_argument("--resume", metavar="DIR", help="resume from the last complete checkpoint under DIR (a save "
                    "of step s then removes the checkpoints of steps above s under --save: an abandoned timeline)")
     p.add_argument("--model", default="gpt",
-                   help="gpt: the reference GPT; llama, qwen2, mistral, gpt2: transformers models sized by the "
-                   "recipe's model block; or a config.json path (random weights; must agree with the recipe); or "
-                   "a save_pretrained directory (config.json + *.safetensors): its weights, each rank reading its part")
+                   help="gpt: the reference GPT; a transformers causal-LM model_type (llama, qwen3, gemma2, mixtral, "
+                   "...): that family sized by the recipe's model block; or a config.json path (random weights; must "
+                   "agree with the recipe); or a save_pretrained directory (config.json + *.safetensors): its weights, "
+                   "each rank reading its part")
     p.add_argument("--data", nargs="+", metavar="PATH",
                    help="local text / JSONL / Parquet files or directories, packed into seq_len windows "
                    "(default: the standard library's text, byte-level)")

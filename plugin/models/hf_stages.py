@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from ..errors import PluginError
-from .hf_config import FAMILIES
 
+FAMILIES = ("llama", "qwen2", "mistral", "gpt2")  # the families whose stages this module knows
 _CACHE = "_plugin_stage_layers"
 
 
