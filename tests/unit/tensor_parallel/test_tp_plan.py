@@ -145,9 +145,10 @@ def test_without_a_group_the_gpt_computes_the_same(sequence_parallel):
 
 def test_transformers_styles_the_plugin_lacks_are_unsupported_not_unknown():
     with pytest.raises(ValueError) as info:
-        parse_style("replicated_with_grad_allreduce")
+        parse_style("sequence_parallel")
     text = str(info.value)
-    assert text.startswith("unsupported style 'replicated_with_grad_allreduce'") and "supported: column" in text
+    assert text.startswith("unsupported style 'sequence_parallel': the plugin's sequence parallelism is the recipe's "
+                           "tensor_parallel.sequence_parallel") and "supported: column" in text
     assert "'replicate' to leave it whole" in text
     with pytest.raises(ValueError, match=r"unsupported style 'local_colwise': .*supported: column, column:K"):
         parse_style("local_colwise")
