@@ -96,6 +96,13 @@ def names() -> str:
     return ", ".join(e.name for e in TABLE)
 
 
+def schema_names() -> list[str]:
+    """The style names the recipe schema's ``tensor_parallel.plan`` enum lists (a test holds the schema to it):
+    the table's, ``column:K`` for K of 2 to 4 and ``row:2``, then transformers' names."""
+    plain = [e.name for e in TABLE if ":" not in e.name]
+    return list(dict.fromkeys(plain + ["column:2", "column:3", "column:4", "row:2"] + list(HF_NAMES)))
+
+
 def parse_style(text: str) -> Style:
     """``"column:3"`` -> ``Style("column", parts=3)``, ``"packed_colwise"`` -> ``column:2``; raises
     :class:`ValueError` with the accepted styles."""
