@@ -6,7 +6,9 @@ and short attention windows (8 tokens) where the family has sliding or chunked a
 tokens already sees them. A few hundred thousand parameters; built in a fraction of a second.
 
 The matrix of distributed tests reuses :data:`TP_FAMILIES` (the families trained at tensor 2 against one process,
-chosen so that every tensor-parallel style they use is exercised) and :func:`families_with_tp_plan`.
+chosen so that every tensor-parallel style of transformers' causal-LM plans is exercised) and
+:func:`families_with_tp_plan`; :data:`TP_REFUSED` and :data:`NOT_BUILT` say why the others with a plan do not train
+(tests/unit/tensor_parallel/test_tp_families.py holds every family to them).
 """
 from __future__ import annotations
 
@@ -19,6 +21,39 @@ TINY = Model(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=96,
 EXPERTS = (4, 2)
 WINDOW = 8
 _WINDOW_KEYS = ("sliding_window", "attention_chunk_size", "sliding_window_size")
+
+# family -> plan entries put over its "auto" plan (None: "auto" as it is), and what the family exercises
+TP_FAMILIES = {
+    "llama": {"model.embed_tokens": "embedding_colwise"},  # colwise, rowwise, an embedding split by hidden
+    "gemma2": None,         # a scaled embedding (embed_scale kept), tied to its head; logit soft-capping, windows
+    "qwen3": None,          # replicated_with_grad_allreduce (per-head q_norm / k_norm)
+    "phi3": None,           # colwise_gather_output, rowwise_split_input (fused qkv and gate_up left whole)
+    "gpt_neox": None,       # embedding_rowwise, fused per-head query_key_value, parallel residual, partial rotary
+    "cohere": None,         # a tied embedding split by vocabulary, parallel attention + MLP, logit scale
+    "mixtral": None,        # moe_tp_experts, packed_colwise (3-D gate_up), the router whole
+    "deepseek_v2": None,    # mla_kv_a_proj (latent attention), shared experts, a dense first layer
+    "longcat_flash": None,  # moe_identity_expert (zero-computation experts)
+    "llama4_text": None,    # packed_rowwise (gate_up stored input-major), a shared expert, chunked attention
+    "granite_swa": None,    # local_params (attention sinks split by head)
+    "inkling2_text": None,  # replicate, rowwise_split_input
+    "inkling_text": {"model.embed_tokens": "replicate"},  # all_reduce (its normed embedding: refused by "auto")
+}
+
+# family -> why "auto" refuses it at tensor 2 (a piece of the refusal's text)
+TP_REFUSED = {
+    "doge": "parameter 'model.layers.0.self_attn.A' ((2,)) is per head",
+    "dory": "DoryLMHead, a subclass of Linear with a forward of its own",
+    "inkling_text": "InklingNormedEmbedding, a subclass of Embedding with a forward of its own",
+}
+# family -> why no tiny model of it is built (a piece of the error's text): transformers 5.24's own defaults do not
+# build a model (the first three), or the recipe's layer count has no key of its own in the family's config
+NOT_BUILT = {
+    "cohere_compass_text": "KeyError: 'full_attention'",
+    "lfm2_moe": "'NoneType' object is not subscriptable",
+    "qwen4_exp_text": "unsupported operand type(s) for //: 'NoneType' and 'NoneType'",
+    "hrm_text": "the hrm_text family says num_hidden_layers 16",
+    "nemotron_h": "has none of num_hidden_layers, num_layers",
+}
 
 
 def tiny_config(model_type: str, dims: Model = TINY, *, window: int | None = WINDOW):
@@ -56,6 +91,21 @@ def families_with_tp_plan() -> list[str]:
     from plugin.models.hf import causal_lm_types
 
     return [t for t in causal_lm_types() if getattr(tf.CONFIG_MAPPING[t], "base_model_tp_plan", None)]
+
+
+def tp_plan(model, family: str) -> str | dict:
+    """The plan :data:`TP_FAMILIES` trains ``family`` with: "auto", or the entries of its auto plan that name something
+    in ``model`` (an explicit plan refuses a glob matching nothing), with the family's entries over them."""
+    import fnmatch
+
+    from plugin.tensor_parallel.auto import auto_plan
+
+    changes = TP_FAMILIES.get(family)
+    if changes is None:
+        return "auto"
+    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    plan = {glob: style for glob, style in auto_plan(model).items() if fnmatch.filter(names, glob)}
+    return {**plan, **changes}
 
 
 # Pipeline stages (plugin.models.hf_stages) ------------------------------------------------------------------------

@@ -46,7 +46,7 @@ RULES = {
     "dense_prefix": "counts of leading dense or KV-sharing layers (first_k_dense_replace, num_dense_layers, "
                     "num_kv_shared_layers) at most layers minus the kinds of layer_types (1 without), so each kind "
                     "of layer stays",
-    "dropout": "every *dropout / *pdrop probability = the recipe's dropout",
+    "dropout": "every *dropout / *pdrop probability and *jitter_noise (router noise) = the recipe's dropout",
     "per_layer": "per_layer_config overrides sized by the same rules (for the layers that remain)",
     "cache": "use_cache False",
     "experts": "with experts=(E, k): at most E experts (routed and local), top-k at most k, one routing group, at "
@@ -55,7 +55,7 @@ RULES = {
 
 _MLA = ("qk_nope_head_dim", "v_head_dim", "qk_rope_head_dim", "qk_head_dim")
 _FFN_EXTRA = re.compile(r"(intermediate_size|ffn_hidden_size|ffn_dim)$")
-_DROPOUT = re.compile(r"(dropout|pdrop|dropout_prob|dropout_rate)$")
+_DROPOUT = re.compile(r"(dropout|pdrop|dropout_prob|dropout_rate|jitter_noise)$")
 _OTHER_VOCABS = ("unpadded_vocab_size", "vocab_size_per_layer_input")
 _DENSE_PREFIX = ("first_k_dense_replace", "num_dense_layers", "num_kv_shared_layers")
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")

@@ -47,6 +47,7 @@ from torch import nn
 
 from ..errors import PluginError
 
+FAMILIES = ("llama", "qwen2", "mistral", "gpt2")  # the families whose stages this module knows
 _CACHE = "_plugin_stage_layers"
 _TRAVELS = ("hidden_states", "attention_mask")  # what the plan's decoder layers may take (position_ids ride along)
 _FIX = "-> train it at pipeline 1 (tensor and data parallelism), or pass your own list of layers"

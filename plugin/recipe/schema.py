@@ -96,6 +96,13 @@ def _moved_interval(value) -> str:
 MOVED = {
     (("pipeline_parallel",), "activation_checkpoint_interval"): ("$.activation_checkpointing", _moved_interval),
 }
+# Keys a later axis will take, refused with what runs instead today.
+NOT_YET = {
+    (("parallelism",), "expert"): (
+        "expert parallelism is not supported yet: a mixture-of-experts model runs with its experts under tensor "
+        "parallelism (each expert split over parallelism.tensor, as transformers' moe_tp_experts plan says) and ZeRO",
+        "remove parallelism.expert; set parallelism.tensor (and zero.stage) for the experts instead"),
+}
 
 
 def _problem(error) -> list[Problem]:
@@ -117,6 +124,10 @@ def _problem(error) -> list[Problem]:
                 out.append(Problem(json_path(list(error.absolute_path) + [key]),
                                    f"{json.dumps(key)} moved to {new_path} (activation checkpointing is its own "
                                    "block now, for every layout)", fix(inst[key])))
+                continue
+            not_yet = NOT_YET.get((tuple(str(p) for p in error.absolute_path), key))
+            if not_yet is not None:
+                out.append(Problem(json_path(list(error.absolute_path) + [key]), *not_yet))
                 continue
             hint = _did_you_mean(key, allowed) or ("allowed keys: " + ", ".join(allowed) if allowed else "remove it")
             out.append(Problem(json_path(list(error.absolute_path) + [key]), f"unknown key {json.dumps(key)}", hint))

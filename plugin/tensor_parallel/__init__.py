@@ -4,10 +4,12 @@
     model = apply_tensor_parallel(model, "auto", groups.tensor_group, sequence_parallel=False)
 
 Modules: :mod:`.comm` (f/g and the sequence-parallel collectives), :mod:`.layers` (column, row and vocabulary-split
-linears), :mod:`.embedding` (the vocabulary-split embedding), :mod:`.fused` (the column matmul with its overlapped
-backward collective), :mod:`.cross_entropy`, :mod:`.random` (dropout streams), :mod:`.recompute` (activation
-checkpointing that replays them), :mod:`.plan` (``apply_tensor_parallel``), :mod:`.auto` (the "auto" plans),
-:mod:`.sharding` (slicing math), :mod:`.state` (whole tensors back from the shards).
+linears), :mod:`.embedding` (the vocabulary- and hidden-split embeddings), :mod:`.fused` (the column matmul with its
+overlapped backward collective), :mod:`.cross_entropy`, :mod:`.random` (dropout streams), :mod:`.recompute`
+(activation checkpointing that replays them), :mod:`.styles` (the styles a plan names), :mod:`.fit` (what fits
+what: no silent swap), :mod:`.inplace` (collectives around a kept module's forward, bare parameters split),
+:mod:`.plan` (``apply_tensor_parallel``), :mod:`.auto` (the "auto" plans), :mod:`.sharding` (slicing math),
+:mod:`.state` (whole tensors back from the shards).
 """
 from .comm import (
                    allreduce_grads_in_backward,
@@ -21,16 +23,18 @@ from .comm import (
 )
 from .context import TensorParallelContext
 from .cross_entropy import vocab_parallel_cross_entropy
-from .embedding import VocabParallelEmbedding
+from .embedding import HiddenParallelEmbedding, VocabParallelEmbedding
 from .errors import TensorParallelError
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLinear
-from .plan import apply_tensor_parallel, padding_report, parse_style, resolve_plan
+from .plan import apply_tensor_parallel, padding_report, resolve_plan
 from .random import TensorParallelRNG
 from .state import full_state_dict, full_tensor
+from .styles import parse_style
 
 __all__ = [
     "apply_tensor_parallel", "resolve_plan", "parse_style", "padding_report",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelLinear",
+    "HiddenParallelEmbedding",
     "vocab_parallel_cross_entropy", "TensorParallelRNG", "TensorParallelContext", "TensorParallelError",
     "copy_to_tensor_region", "reduce_from_tensor_region", "scatter_to_tensor_region", "gather_from_tensor_region",
     "scatter_to_sequence_region", "gather_from_sequence_region", "reduce_scatter_to_sequence_region",

@@ -18,6 +18,7 @@ its fused projection is now ``3 x hidden/p`` wide. Nothing here imports transfor
 """
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Mapping
 
 from torch import nn
@@ -84,7 +85,59 @@ def _hf_plan(model: nn.Module) -> dict[str, str]:
             out["lm_head"] = "vocab_gather"
         else:
             out.pop(embed_name, None)
+    return _complete(model, out)
+
+
+def _complete(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """What transformers' plans leave out, by pattern (each exact, measured against one process):
+
+    * experts whose ``gate_up_proj`` transformers' experts decorator declares concatenated (``[gate; up]``,
+      ``is_concatenated``) are split as two packed parts whatever the plan says (inkling2's plan says colwise,
+      which would hand one rank all of gate and the other all of up);
+    * a per-head ``q_norm`` / ``k_norm`` (weight of head_dim) next to column-split ``q_proj`` / ``k_proj`` sums its
+      gradient (``grad_sum``), as Qwen3's plan says and sarvam_moe's omits;
+    * an activation with parameters (``act_fn``: apertus' xIELU) between column-split projections likewise.
+    """
+    out = dict(plan)
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    for glob, style in plan.items():  # concatenated gate_up: packed
+        for name in (n for n in params if fnmatch.fnmatchcase(n, glob) and n.endswith("gate_up_proj")):
+            owner = modules.get(name.rpartition(".")[0])
+            if getattr(owner, "is_concatenated", False) and getattr(owner, "has_gate", True):
+                out[glob] = {"colwise": "packed_colwise", "rowwise": "packed_rowwise"}.get(style, style)
+    split = {n for n in modules if _style(n, out) in ("colwise", "packed_colwise")}
+    parents = {n.rpartition(".")[0] for n in split}
+    head_dim = _head_dim(model)
+    for name, module in modules.items():
+        parent, _, child = name.rpartition(".")
+        if parent not in parents or _style(name, out) is not None or not any(True for _ in module.parameters()):
+            continue
+        if child in ("q_norm", "k_norm") and f"{parent}.{child[0]}_proj" in split:
+            weight = getattr(module, "weight", None)
+            if weight is not None and weight.numel() == head_dim:
+                out[name] = "replicated_with_grad_allreduce"
+        elif child.startswith("act"):
+            out[name] = "replicated_with_grad_allreduce"
     return out
+
+
+def _style(name: str, plan: Mapping[str, str]) -> str | None:
+    return next((style for glob, style in plan.items() if fnmatch.fnmatchcase(name, glob)), None)
+
+
+def _text_config(model: nn.Module):
+    config = getattr(model, "config", None)
+    return config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+
+
+def _head_dim(model: nn.Module) -> int | None:
+    config = _text_config(model)
+    head_dim = getattr(config, "head_dim", None)
+    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+    if not isinstance(head_dim, int) and isinstance(heads, int) and isinstance(hidden, int) and heads:
+        head_dim = hidden // heads
+    return head_dim
 
 
 def _heads_problem(what: str, heads: int, tp: int) -> list[str]:
@@ -112,14 +165,44 @@ def check_known_model(model: nn.Module, styles: Mapping[str, object], tp: int,
             problems.append("GPT-2 with cross-attention: its q_attn/c_attn split is not supported; "
                             "leave the cross-attention modules whole")
         return problems
-    attention = [n for n in styles if n.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj")]
+    text = _text_config(model)
+    attention = [n for n, s in styles.items() if getattr(s, "kind", "") == "column" and not s.gather_output
+                 and _in_attention(n)]
     if attention:
-        heads = getattr(config, "num_attention_heads", None)
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        if heads:
+        heads = _get(text, "num_attention_heads")
+        kv = _get(text, "num_key_value_heads") or heads
+        if isinstance(heads, int):
             problems += _heads_problem(f"{type(model).__name__} (num_attention_heads)", heads, tp)
-        if kv and kv != heads:
+        if isinstance(kv, int) and kv != heads:
             problems += _heads_problem(f"{type(model).__name__} (num_key_value_heads)", kv, tp)
+        problems += _whole_per_head(model, attention, styles, {heads, kv} - {None})
+    return problems
+
+
+def _in_attention(name: str) -> bool:
+    return any(part in ("attn", "self_attn", "attention", "self_attention") or part.endswith("_attn")
+               for part in name.split(".")[:-1])
+
+
+def _get(config, key: str):
+    try:
+        return getattr(config, key, None)
+    except Exception:  # noqa: BLE001 - a per-layer attribute read globally (dots3_note) raises its own error
+        return None
+
+
+def _whole_per_head(model: nn.Module, attention: list[str], styles: Mapping[str, object], heads: set) -> list[str]:
+    """A parameter of an attention module whose heads the plan splits, sized by heads, that the plan leaves whole:
+    each rank would use all of it with its own heads (Doge's dynamic-mask ``A``)."""
+    problems = []
+    for owner in dict.fromkeys(n.rpartition(".")[0] for n in attention):
+        module = model.get_submodule(owner)
+        for key, param in module.named_parameters(recurse=False):
+            name = f"{owner}.{key}"
+            if name not in styles and param.dim() >= 1 and param.shape[0] in heads:
+                problems.append(f"parameter {name!r} ({tuple(param.shape)}) is per head, and the plan splits the "
+                                f"heads of {owner!r} but leaves it whole: add a plan entry that splits it (style "
+                                f"'column', with 'local' on {owner!r}), or leave the attention whole")
     return problems
 
 

@@ -1,28 +1,19 @@
-"""``apply_tensor_parallel``: swap a model's linears and embeddings for tensor-parallel ones, by name globs.
+"""``apply_tensor_parallel``: shard a model by a plan of name globs -> styles, through the plugin's own layers.
 
-A plan maps ``fnmatch`` globs on module names (``model.named_modules()``; ``*`` also crosses dots) to a
-style:
-
-==============  ===========================================================================================
-``column``      ``nn.Linear`` -> :class:`ColumnParallelLinear`, output left split (a ``row`` layer follows)
-``column:K``    the same for an output of ``K`` packed parts (GPT-2's fused ``[q | k | v]`` is ``column:3``)
-``column_gather`` ``nn.Linear`` -> :class:`ColumnParallelLinear` that all-gathers its output
-``row``         ``nn.Linear`` -> :class:`RowParallelLinear` (input split by the ``column`` before it)
-``vocab``       ``nn.Embedding`` -> :class:`VocabParallelEmbedding` (under sequence parallelism its
-                sequence-parallel form: ``[seq/p, batch, hidden]`` out); ``nn.Linear`` (a head) ->
-                :class:`VocabParallelLinear`, vocabulary-split logits for :func:`vocab_parallel_cross_entropy`
-``vocab_gather`` ``nn.Linear`` head -> :class:`VocabParallelLinear` returning whole ``[..., vocab]`` logits
-``replicate``   left whole (the default for modules no glob names)
-==============  ===========================================================================================
-
-transformers' names are accepted too (``colwise``, ``rowwise``, ``colwise_gather_output``,
-``packed_colwise``, ``embedding_rowwise``, ``replicate``). ``"auto"`` picks the plan by model (see
-:mod:`.auto`). The plan is checked whole before anything is swapped, and every problem found is
-reported in one :class:`TensorParallelError`, each naming the module, the values and the fix; a failed
-call leaves the model untouched. Modules tied to one weight (an embedding and its head) stay tied.
+A plan maps ``fnmatch`` globs on module names (``model.named_modules()``; ``*`` also crosses dots), or on parameter
+names where no module matches (transformers' 3-D expert weights), to a style of :data:`.styles.TABLE` (the plugin's
+names, or transformers' for the same style: ``colwise``, ``rowwise``, ``packed_colwise``, ``moe_tp_experts``, ...).
+Linear layers and embeddings are swapped for :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
+:class:`VocabParallelEmbedding`, ... (only when their forward is the one the layer reproduces: :mod:`.fit`); other
+modules keep their own class and forward, with collectives around it (:mod:`.inplace`); bare parameters are split
+in place. ``"auto"`` picks the plan by model (see :mod:`.auto`). The plan is checked whole before anything is
+swapped, and every problem found is reported in one :class:`TensorParallelError`, each naming the module, the values
+and the fix; a failed call leaves the model untouched. Modules tied to one weight (an embedding and its head) stay
+tied.
 """
 from __future__ import annotations
 
+import copy
 import difflib
 import fnmatch
 import functools
@@ -30,122 +21,31 @@ import logging
 import re
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from . import auto
+from . import auto, fit
 from .comm import group_rank, group_size
 from .context import TensorParallelContext
-from .embedding import VocabParallelEmbedding
+from .embedding import HiddenParallelEmbedding, VocabParallelEmbedding
 from .errors import TensorParallelError
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLinear, linear_weights
+from .inplace import split_parameter, wrap
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLinear
 from .random import TensorParallelRNG
-from .sharding import padded_size
+from .styles import Style, parse_style
 
 log = logging.getLogger("plugin.tensor_parallel")
-
-STYLES = ("column", "column:K", "column_gather", "row", "vocab", "vocab_gather", "replicate")
-HF_STYLES = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "column_gather",
-             "colwise_rep": "column_gather", "packed_colwise": "column:2", "embedding_rowwise": "vocab"}
-# transformers' other style names (4.5x and 5.x), refused as unsupported rather than as unknown
-HF_UNSUPPORTED = frozenset({
-    "replicated_with_grad_allreduce", "local_colwise", "local_rowwise", "local", "local_packed_rowwise", "gather",
-    "isolated", "sequence_parallel", "rowwise_rep", "rowwise_split_input", "packed_rowwise", "embedding_colwise",
-    "all_reduce", "local_params", "grouped_gemm", "ep_router", "ep_dispatch_experts", "moe_tp_experts",
-    "moe_identity_expert", "mla_kv_a_proj"})
-
-
-@dataclass(frozen=True)
-class Style:
-    """A parsed style: ``kind`` is column, row, vocab or replicate."""
-
-    kind: str
-    gather_output: bool = False
-    parts: int = 1
-    text: str = ""
-
-
-def parse_style(text: str) -> Style:
-    """``"column:3"`` -> ``Style("column", parts=3)``; raises :class:`ValueError` with the accepted styles."""
-    name = HF_STYLES.get(text, text) if isinstance(text, str) else text
-    simple = {"column": Style("column", text=text), "column_gather": Style("column", True, text=text),
-              "row": Style("row", text=text), "vocab": Style("vocab", text=text),
-              "vocab_gather": Style("vocab", True, text=text), "replicate": Style("replicate", text=text)}
-    if isinstance(name, str) and name in simple:
-        return simple[name]
-    if isinstance(name, str) and name.startswith("column:") and name[7:].isdigit() and int(name[7:]) >= 1:
-        return Style("column", parts=int(name[7:]), text=text)
-    supported = f"supported: {', '.join(STYLES)}, or transformers' {', '.join(HF_STYLES)}"
-    if isinstance(name, str) and name in HF_UNSUPPORTED:
-        raise ValueError(f"unsupported style {text!r}: a transformers tensor-parallel style the plugin does not "
-                         f"implement ({supported}); give the module one of those in an explicit plan, or "
-                         f"'replicate' to leave it whole")
-    raise ValueError(f"unknown style {text!r} ({supported})")
-
-
-def _is_linear(module: nn.Module) -> bool:
-    try:
-        linear_weights(module)
-        return True
-    except TypeError:
-        return False
-
-
-def _describe(module: nn.Module) -> str:
-    if _is_linear(module):
-        out, inp = linear_weights(module)[0].shape
-        return f"{type(module).__name__} {inp}->{out}"
-    if isinstance(module, nn.Embedding):
-        return f"nn.Embedding {module.num_embeddings}x{module.embedding_dim}"
-    return type(module).__name__
-
-
-def _fit(name: str, module: nn.Module, style: Style, tp: int) -> list[str]:
-    """Why ``style`` cannot shard ``module`` over ``tp`` ranks (empty when it can)."""
-    what = f"module {name!r} ({_describe(module)})"
-    if style.kind == "replicate":
-        return []
-    if isinstance(module, nn.Embedding):
-        unsupported = [n for n in ("max_norm", "sparse", "scale_grad_by_freq") if getattr(module, n)]
-        if style.kind == "vocab" and unsupported:
-            return [f"{what}: a split embedding does not support its option(s) {unsupported}; use 'replicate'"]
-        if style.kind == "vocab" and not style.gather_output:
-            return []
-        return [f"{what}: style {style.text!r} does not fit an embedding; use 'vocab' (split its rows) or "
-                f"'replicate'"]
-    if not _is_linear(module):
-        return [f"{what}: style {style.text!r} needs an nn.Linear or nn.Embedding; point the glob at the "
-                f"linear layers inside it, or use 'replicate'"]
-    out_features, in_features = linear_weights(module)[0].shape
-    if style.kind == "column" and out_features % (tp * style.parts):
-        unit = f"tensor size {tp}" + (f" x {style.parts} packed parts" if style.parts > 1 else "")
-        return [f"{what}: {out_features} output features are not divisible by {unit}; use a tensor size "
-                f"that divides {out_features // style.parts}, or 'replicate'"]
-    if style.kind == "row" and in_features % tp:
-        return [f"{what}: {in_features} input features are not divisible by tensor size {tp}; use a tensor "
-                f"size that divides {in_features}, or 'replicate'"]
-    return []
-
-
-def _layout(module: nn.Module, style: Style, tp: int):
-    """How a weight ends up split: tied modules must agree on it to stay tied."""
-    rows = module.num_embeddings if isinstance(module, nn.Embedding) else linear_weights(module)[0].shape[0]
-    if style.kind == "replicate":
-        return "whole"
-    if style.kind == "row":
-        return "split by input features"
-    if style.kind == "vocab" or style.parts == 1:  # a plain column split is a vocab split that needs no padding
-        return f"split by rows, {padded_size(rows, tp)} rows in all"
-    return f"split by rows in {style.parts} packed parts"
+_WRAPPED = ("grad_sum", "region", "identity_expert", "mla_kv_a")  # kept modules with collectives around forward
 
 
 def resolve_plan(model: nn.Module, plan: str | Mapping[str, str], tp_size: int, *,
                  sequence_parallel: bool = False) -> dict[str, Style]:
-    """``{module name: style}`` for every module the plan shards; raises with every problem found.
+    """``{module or parameter name: style}`` for everything the plan does not leave whole; raises with every problem
+    found.
 
-    Pure (no process group): the checks of :func:`apply_tensor_parallel`, runnable before any launch.
+    Pure (no process group): the checks of :func:`apply_tensor_parallel`, runnable before any launch, on a model
+    built on the meta device too.
     """
     explicit = plan != "auto"
     if plan == "auto":
@@ -154,6 +54,7 @@ def resolve_plan(model: nn.Module, plan: str | Mapping[str, str], tp_size: int, 
         raise TensorParallelError(f"a tensor-parallel plan is 'auto' or a non-empty mapping of module-name "
                                   f"globs to styles, got {plan!r}")
     modules = [(n, m) for n, m in model.named_modules(remove_duplicate=False) if n]
+    params = dict(model.named_parameters(remove_duplicate=False))
     problems: list[str] = []
     assignment: dict[str, Style] = {}
     chosen_by: dict[str, str] = {}
@@ -163,15 +64,10 @@ def resolve_plan(model: nn.Module, plan: str | Mapping[str, str], tp_size: int, 
         except ValueError as e:
             problems.append(f"plan entry {glob!r}: {e}")
             continue
-        hits = [n for n, _ in modules if fnmatch.fnmatchcase(n, glob)]
+        hits = [n for n, _ in modules if fnmatch.fnmatchcase(n, glob)] or \
+            [n for n in params if fnmatch.fnmatchcase(n, glob)]
         if not hits and explicit:
-            shardable = [n for n, m in modules if _is_linear(m) or isinstance(m, nn.Embedding)]
-            if "*" in glob:  # suggest globs: "blocks.0.attn.qkv" -> "blocks.*.attn.qkv"
-                shardable = list(dict.fromkeys(re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", n) for n in shardable))
-            close = difflib.get_close_matches(glob, shardable, n=3, cutoff=0.5)
-            hint = f"did you mean {', '.join(map(repr, close))}?" if close else \
-                f"its linear/embedding modules are named like {', '.join(map(repr, shardable[:4]))}"
-            problems.append(f"plan entry {glob!r} matches no module of {type(model).__name__}; {hint}")
+            problems.append(_no_match(model, modules, glob))
         for n in hits:
             if n in assignment and assignment[n] != style:
                 problems.append(f"module {n!r} is matched by {chosen_by[n]!r} ({assignment[n].text}) and by "
@@ -179,8 +75,25 @@ def resolve_plan(model: nn.Module, plan: str | Mapping[str, str], tp_size: int, 
                 continue
             assignment[n], chosen_by[n] = style, glob
     by_name = dict(modules)
+    split = {n for n, s in assignment.items() if n in params and s.kind != "replicate"}
     for n, style in assignment.items():
-        problems += _fit(n, by_name[n], style, tp_size)
+        if n in params:
+            owner = n.rpartition(".")[0]
+            owners = [(o, assignment[o]) for o in _ancestors(owner) if o in assignment]
+            problems += fit.parameter_problems(n, params[n], style, tp_size, owners)
+            if owner in assignment and assignment[owner].kind in fit._SWAPPED:
+                problems.append(f"parameter {n!r}: its module {owner!r} is swapped ({assignment[owner].text}); "
+                                "give the module or its parameter a style, not both")
+            continue
+        problems += fit.module_problems(n, by_name[n], style, tp_size)
+        if style.kind == "region":
+            problems += fit.region_problems(n, by_name[n], split, assignment)
+        if style.kind == "identity_expert" and not any(assignment.get(o, Style("")).kind == "region"
+                                                       for o in _ancestors(n)[1:]):
+            problems.append(f"module {n!r}: style {style.text!r} divides its input by the tensor size for the sum "
+                            "of an enclosing 'experts' module, and none encloses it; give it 'replicate'")
+        if style.kind == "mla_kv_a":
+            problems += _rope_problems(model, n, by_name[n])
     problems += _tie_problems(modules, assignment, tp_size)
     if not problems:
         styles = {n: s for n, s in assignment.items() if s.kind != "replicate"}
@@ -194,18 +107,48 @@ def resolve_plan(model: nn.Module, plan: str | Mapping[str, str], tp_size: int, 
                         f"set sequence_parallel false for it, or use the reference GPT (plugin.models.gpt)")
     if problems:
         raise TensorParallelError(problems)
-    return {n: s for n, s in assignment.items() if s.kind != "replicate"}
+    return {n: s for n, s in assignment.items() if s.kind not in ("replicate", "local")}
+
+
+def _ancestors(name: str) -> list[str]:
+    """``name`` and the modules above it, nearest first (``"a.b.c"`` -> ``["a.b.c", "a.b", "a"]``)."""
+    parts = name.split(".")
+    return [".".join(parts[:k]) for k in range(len(parts), 0, -1)]
+
+
+def _no_match(model, modules, glob: str) -> str:
+    shardable = [n for n, m in modules if fit.is_linear(m) or isinstance(m, nn.Embedding)]
+    if "*" in glob:  # suggest globs: "blocks.0.attn.qkv" -> "blocks.*.attn.qkv"
+        shardable = list(dict.fromkeys(re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", n) for n in shardable))
+    close = difflib.get_close_matches(glob, shardable, n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(map(repr, close))}?" if close else \
+        f"its linear/embedding modules are named like {', '.join(map(repr, shardable[:4]))}"
+    return f"plan entry {glob!r} matches no module of {type(model).__name__}; {hint}"
+
+
+def _rope_dim(model) -> int | None:
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    return getattr(text, "qk_rope_head_dim", None)
+
+
+def _rope_problems(model, name: str, module: nn.Module) -> list[str]:
+    rope = _rope_dim(model)
+    if not isinstance(rope, int) or not 0 < rope < fit.linear_weights(module)[0].shape[0]:
+        return [f"module {name!r}: style 'mla_kv_a' splits off the rope part of its output by the model config's "
+                f"qk_rope_head_dim, which is {rope!r} here; give it 'replicate' (and leave its attention whole)"]
+    return []
 
 
 def _tie_problems(modules, assignment: dict[str, Style], tp: int) -> list[str]:
     users = defaultdict(list)
     for n, m in modules:
-        if _is_linear(m) or isinstance(m, nn.Embedding):
+        if fit.is_linear(m) or isinstance(m, nn.Embedding):
             users[id(m.weight)].append(n)
     problems = []
     by_name = dict(modules)
     for names in users.values():
-        layouts = {n: _layout(by_name[n], assignment.get(n, Style("replicate")), tp) for n in names}
+        layouts = {n: fit.layout(by_name[n], assignment.get(n, Style("replicate")), tp) for n in names}
         if len(set(layouts.values())) > 1:
             detail = "; ".join(f"{n!r} {how}" for n, how in layouts.items())
             problems.append(f"modules {', '.join(map(repr, names))} share one weight but the plan splits it "
@@ -219,11 +162,25 @@ def _build(module: nn.Module, style: Style, tp_group, sequence_parallel: bool) -
         return ColumnParallelLinear.from_linear(module, tp_group, gather_output=style.gather_output,
                                                 sequence_parallel=sequence_parallel, parts=style.parts)
     if style.kind == "row":
-        return RowParallelLinear.from_linear(module, tp_group, sequence_parallel=sequence_parallel)
+        return RowParallelLinear.from_linear(module, tp_group, sequence_parallel=sequence_parallel,
+                                             input_is_parallel=not style.split_input)
+    scaled = fit.rule_for(module, style) == "scaled embedding"
+    if style.kind == "embed_hidden":
+        return HiddenParallelEmbedding.from_embedding(module, tp_group, scaled=scaled)
     if isinstance(module, nn.Embedding):
-        return VocabParallelEmbedding.from_embedding(module, tp_group, sequence_parallel=sequence_parallel)
+        return VocabParallelEmbedding.from_embedding(module, tp_group, sequence_parallel=sequence_parallel,
+                                                     scaled=scaled)
     return VocabParallelLinear.from_linear(module, tp_group, gather_output=style.gather_output,
                                            sequence_parallel=sequence_parallel)
+
+
+def _split_copy(dense: nn.Module, entries: list[tuple[str, Style]], tp_size: int, tp_rank: int) -> nn.Module:
+    """The cut of a module whose bare parameters the plan splits: a shallow copy holding this rank's slices."""
+    piece = copy.copy(dense)
+    piece._parameters = dict(dense._parameters)
+    for key, style in entries:
+        split_parameter(piece, key, style.kind, style.parts, tp_size, tp_rank)
+    return piece
 
 
 def apply_tensor_parallel(model: nn.Module, plan: str | Mapping[str, str], tp_group, *,
@@ -246,15 +203,17 @@ def apply_tensor_parallel(model: nn.Module, plan: str | Mapping[str, str], tp_gr
     (transformers models) draws dropout inside split regions from torch's default stream, the same on
     every tensor rank: still correct, but the masks of heads on different ranks are then alike.
 
-    ``cuts``: filled with ``{module name: dense module -> this rank's layer}``, the cut each swapped module got, so
-    that a model swapped on the meta device is materialised by re-running the same cut on the whole values
-    (:mod:`plugin.materialize`).
+    ``cuts``: filled with ``{module name: dense module -> this rank's layer}``, the cut each swapped module (or
+    module whose bare parameters are split) got, so that a model swapped on the meta device is materialised by
+    re-running the same cut on the whole values (:mod:`plugin.materialize`).
     """
     tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
     assignment = resolve_plan(model, plan, tp_size, sequence_parallel=sequence_parallel)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    swapped = {n: s for n, s in assignment.items() if n not in params and s.kind not in _WRAPPED}
     new_of: dict[int, nn.Module] = {}
     weight_of: dict[int, nn.Parameter] = {}
-    for name, style in assignment.items():
+    for name, style in swapped.items():
         old = model.get_submodule(name)
         new = new_of.get(id(old))
         if new is None:
@@ -274,6 +233,23 @@ def apply_tensor_parallel(model: nn.Module, plan: str | Mapping[str, str], tp_gr
             cuts[name] = functools.partial(_build, style=style, tp_group=tp_group, sequence_parallel=sequence_parallel)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
+    by_owner: dict[str, list[tuple[str, Style]]] = defaultdict(list)  # bare parameters, split in place
+    for name, style in assignment.items():
+        if name in params:
+            owner, _, key = name.rpartition(".")
+            by_owner[owner].append((key, style))
+    for owner, entries in by_owner.items():
+        module = model.get_submodule(owner)
+        for key, style in entries:
+            if not getattr(module._parameters[key], "tensor_model_parallel", False):  # a tie: split once
+                split_parameter(module, key, style.kind, style.parts, tp_size, tp_rank)
+        if cuts is not None:
+            cuts[owner] = functools.partial(_split_copy, entries=entries, tp_size=tp_size, tp_rank=tp_rank)
+    for name, style in assignment.items():
+        if style.kind in _WRAPPED and name not in params:
+            module = model.get_submodule(name)
+            if getattr(module, "_tp_kind", None) != style.kind:  # a module under two names: wrapped once
+                wrap(module, style.kind, tp_group, rope=_rope_dim(model) if style.kind == "mla_kv_a" else 0)
     auto.fix_known_model(model, tp_size)
     configure = getattr(model, "configure_tensor_parallel", None)
     if configure is not None:

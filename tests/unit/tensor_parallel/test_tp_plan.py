@@ -145,9 +145,10 @@ def test_without_a_group_the_gpt_computes_the_same(sequence_parallel):
 
 def test_transformers_styles_the_plugin_lacks_are_unsupported_not_unknown():
     with pytest.raises(ValueError) as info:
-        parse_style("replicated_with_grad_allreduce")
+        parse_style("sequence_parallel")
     text = str(info.value)
-    assert text.startswith("unsupported style 'replicated_with_grad_allreduce'") and "supported: column" in text
+    assert text.startswith("unsupported style 'sequence_parallel': the plugin's sequence parallelism is the recipe's "
+                           "tensor_parallel.sequence_parallel") and "supported: column" in text
     assert "'replicate' to leave it whole" in text
     with pytest.raises(ValueError, match=r"unsupported style 'local_colwise': .*supported: column, column:K"):
         parse_style("local_colwise")
@@ -201,3 +202,14 @@ def test_auto_falls_back_to_the_configs_base_model_tp_plan_under_the_prefix():
     styles = resolve_plan(model, "auto", 2)
     assert "model.embed_tokens" not in styles and "lm_head" not in styles
     assert set(styles) == {"model.layers.0.up", "model.layers.1.up", "model.layers.0.down", "model.layers.1.down"}
+
+
+def test_recipe_schema_lists_the_style_table_and_transformers_names():
+    from plugin.recipe.schema import load_schema
+    from plugin.tensor_parallel.styles import HF_NAMES, TABLE, schema_names
+
+    plan = load_schema()["properties"]["tensor_parallel"]["properties"]["plan"]
+    enum = next(a["additionalProperties"]["enum"] for a in plan["anyOf"] if "additionalProperties" in a)
+    assert enum == schema_names(), "schemas/recipe.schema.json's plan styles drifted from styles.TABLE"
+    for name in list(HF_NAMES) + [e.name for e in TABLE if ":" not in e.name]:
+        assert name in enum and parse_style(name)

@@ -1,0 +1,77 @@
+"""Every causal-LM family of the installed transformers that declares a ``base_model_tp_plan``: its tiny model (built
+on the meta device, no processes) has its plan resolved at tensor 2, or is refused by name with the reason that
+tests/hf_families.py records; the families trained against one process (``TP_FAMILIES``) exercise every style any of
+those plans uses."""
+from __future__ import annotations
+
+import pytest
+
+from tests.dist.needs import need
+
+need("transformers")
+
+
+def _resolve(family: str):
+    """``(the plan's styles, None)`` or ``(None, the error's text)``: the family's tiny model built on meta, its plan
+    (``tp_plan``) resolved; the styles as the plan names them."""
+    import torch
+    import transformers as tf
+
+    from plugin.errors import PluginError
+    from plugin.tensor_parallel import resolve_plan
+    from tests.hf_families import tiny_config, tp_plan
+
+    try:
+        config = tiny_config(family)
+        with torch.device("meta"):
+            model = tf.AutoModelForCausalLM.from_config(config)
+    except (PluginError, KeyError, TypeError) as e:  # the three transformers' defaults raise
+        return None, f"build: {type(e).__name__}: {e}"
+    from plugin.tensor_parallel.auto import auto_plan
+
+    plan = tp_plan(model, family)
+    try:
+        resolve_plan(model, plan, 2)
+    except PluginError as e:
+        return None, f"plan: {e}"
+    return set((auto_plan(model) if plan == "auto" else plan).values()), None
+
+
+@pytest.fixture(scope="module")
+def resolved():
+    from tests.hf_families import families_with_tp_plan
+
+    return {family: _resolve(family) for family in families_with_tp_plan()}
+
+
+def test_every_family_with_a_tp_plan_resolves_at_tensor_2_or_is_refused_by_name(resolved):
+    from tests.hf_families import NOT_BUILT, TP_FAMILIES, TP_REFUSED
+
+    assert len(resolved) >= 100, f"only {len(resolved)} causal-LM families with a tp plan: transformers changed"
+    wrong = []
+    for family, (_, error) in resolved.items():
+        if family in TP_FAMILIES:  # trained against one process, with its plan as TP_FAMILIES says
+            expected = None
+        else:
+            expected = NOT_BUILT.get(family) or TP_REFUSED.get(family)
+        if expected is None and error is not None:
+            wrong.append(f"{family}: refused, and hf_families records no reason: {error}")
+        elif expected is not None and (error is None or expected not in error):
+            wrong.append(f"{family}: expected a refusal naming {expected!r}, got {error or 'a resolved plan'}")
+        elif error is not None and error.startswith("build") != (family in NOT_BUILT):
+            wrong.append(f"{family}: {error}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_trained_families_exercise_every_style_of_transformers_plans(resolved):
+    """Every style a family's plan names is trained by TP_FAMILIES: in the auto plans, or in their explicit entries."""
+    import transformers as tf
+
+    from plugin.tensor_parallel.styles import HF_NAMES
+    from tests.hf_families import TP_FAMILIES
+
+    used = {s for family in resolved for s in tf.CONFIG_MAPPING[family].base_model_tp_plan.values()}
+    trained = set().union(*(resolved[family][0] for family in TP_FAMILIES))
+    assert used <= set(HF_NAMES), f"styles the table lacks: {sorted(used - set(HF_NAMES))}"
+    assert used - trained == set(), f"styles no trained family exercises: {sorted(used - trained)}"
+    assert len(TP_FAMILIES) >= 12
