@@ -28,7 +28,8 @@ KEYS = {
     "seq_len": ("max_position_embeddings",),
 }
 
-# What size_config fixes besides the recipe's dims, each a pattern some families share (docs/tp.md lists them):
+# What size_config fixes besides the recipe's dims, each a pattern some families share (docs/tensor-parallel.md lists
+# them):
 # keys derived from the dims that a family's defaults would leave inconsistent.
 RULES = {
     "head_dim": "head_dim (and every other *_head_dim) = hidden / heads, but in latent attention, where head_dim is "

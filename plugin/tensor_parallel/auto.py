@@ -193,7 +193,8 @@ def _get(config, key: str):
 
 def _whole_per_head(model: nn.Module, attention: list[str], styles: Mapping[str, object], heads: set) -> list[str]:
     """A parameter of an attention module whose heads the plan splits, sized by heads, that the plan leaves whole:
-    each rank would use all of it with its own heads (Doge's dynamic-mask ``A``)."""
+    each rank would use all of it with its own heads (Doge's dynamic-mask ``A``; Cohere's ``q_norm`` / ``k_norm``
+    with ``use_qk_norm``, a LayerNorm over ``[heads, head_dim]`` that its base plan, written for the default, omits)."""
     problems = []
     for owner in dict.fromkeys(n.rpartition(".")[0] for n in attention):
         module = model.get_submodule(owner)
@@ -203,6 +204,17 @@ def _whole_per_head(model: nn.Module, attention: list[str], styles: Mapping[str,
                 problems.append(f"parameter {name!r} ({tuple(param.shape)}) is per head, and the plan splits the "
                                 f"heads of {owner!r} but leaves it whole: add a plan entry that splits it (style "
                                 f"'column', with 'local' on {owner!r}), or leave the attention whole")
+        for sub, child in module.named_modules():  # a kept submodule's [heads, ...] parameter: the same
+            name = f"{owner}.{sub}"
+            if not sub or name in styles or any(n.startswith(name + ".") for n in styles):
+                continue
+            for key, param in child.named_parameters(recurse=False):
+                if param.dim() >= 2 and param.shape[0] in heads:
+                    problems.append(f"parameter '{name}.{key}' ({tuple(param.shape)}) of {type(child).__name__} is "
+                                    f"per head, and the plan splits the heads of {owner!r} but leaves {name!r} "
+                                    "whole: each rank would apply every head's part to its own heads -> leave the "
+                                    "attention whole (a plan without its projections), or train without tensor "
+                                    "parallelism")
     return problems
 
 

@@ -1,10 +1,11 @@
 """The styles of a tensor-parallel plan: the plugin's names, transformers' names for the same thing, what each does.
 
-:data:`TABLE` is the one list (docs/tp.md is generated from it): each style says what it applies to (a linear layer,
-an embedding, any module, or a bare parameter) and what the plugin does with it, through its own Megatron-style
-layers (:mod:`.layers`, :mod:`.embedding`) and collectives (:mod:`.comm`: ``f`` = identity forward / all-reduce
-backward, ``g`` = all-reduce forward / identity backward). Every style of transformers 5.24's causal-LM
-``base_model_tp_plan`` is here; :data:`REFUSED` names the other transformers styles and why the plugin refuses them.
+:data:`TABLE` is the one list (docs/tensor-parallel.md's table is held to it by a unit test): each style says what it
+applies to (a linear layer, an embedding, any module, or a bare parameter) and what the plugin does with it, through
+its own Megatron-style layers (:mod:`.layers`, :mod:`.embedding`) and collectives (:mod:`.comm`: ``f`` = identity
+forward / all-reduce backward, ``g`` = all-reduce forward / identity backward). Every style of transformers 5.24's
+causal-LM ``base_model_tp_plan`` is here; :data:`REFUSED` names the other transformers styles and why the plugin
+refuses them.
 """
 from __future__ import annotations
 

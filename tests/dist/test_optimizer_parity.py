@@ -1,12 +1,12 @@
 """Weight decay on the parameters it is meant for, and bf16 gradients summed in fp32, on every back end, ZeRO stage
-and init, against one process (issue 20): one 4-rank spawn per back end, each training a list of engines 6 steps.
+and init, against one process (issue 20): one 4-rank spawn per back end, each training a list of engines 4 steps.
 
 Weight decay (fp32): SGD lr 0.5, momentum 0.9, weight_decay 0.5, clipping 0.3 (under the gradient norm at every
 step: asserted, so clipping acts), on each way a back end's optimizer can be handed other parameter objects than the
 model's own: DDP (eager), ZeroRedundancyOptimizer (meta), FSDP2's DTensors (ZeRO-2 from safetensors ``weights=``,
-ZeRO-3 from a builder and eager, over tensor shards), pipeline stages (a builder), Accelerate's DDP; DeepSpeed ZeRO-0
+ZeRO-3 from a builder, over tensor shards), pipeline stages (a builder), Accelerate's DDP; DeepSpeed ZeRO-0
 (eager), ZeRO-1 (meta), ZeRO-2 (``weights=``), ZeRO-3 (meta, where the parameters are 1-D placeholders before the
-optimizer exists; eager; ``weights=``), its pipeline, tensor x data through its mpu, and Accelerate's DeepSpeed
+optimizer exists; ``weights=``), its pipeline, tensor x data through its mpu, and Accelerate's DeepSpeed
 plugin at ZeRO-3 (a builder) and ZeRO-1. The ``weights=`` files hold another seed's model than the init would make.
 Each engine's losses equal one process's (:func:`.reference.gpt_reference`, the same micro-batch split) within
 rel 1e-5 (tensor parallelism 1e-4: its split reductions); the same process with the decay on the wrong group (the
@@ -15,8 +15,8 @@ rel 1e-5 (tensor parallelism 1e-4: its split reductions); the same process with 
 bf16: one process of the same back end and arithmetic is the reference (native: autocast over fp32 parameters, or
 FSDP2's bf16 parameters; DeepSpeed: bf16 parameters with fp32 masters at ZeRO-1), with the layout's micro-batch size.
 Then only the order of the fp32 sums differs, and what that moves is a master weight's bf16 rounding (one bf16 ulp
-is 3.9e-3 relative). Measured over the 6 steps: native 2.8e-5 (FSDP2 6e-8), DeepSpeed 8e-5 to 1.6e-4 (pipeline);
-BF16_RTOL 5e-4 leaves 3x. What these 6 steps do not see is DeepSpeed's bf16 sums at ZeRO-1..3 (without
+is 3.9e-3 relative). Measured over 6 steps: native 2.8e-5 (FSDP2 6e-8), DeepSpeed 8e-5 to 1.6e-4 (pipeline);
+BF16_RTOL 5e-4 leaves 3x. What these steps do not see is DeepSpeed's bf16 sums at ZeRO-1..3 (without
 ``communication_data_type`` / ``grad_accum_dtype`` fp32: 7e-5 to 1.1e-4 off, measured): the export's unit test
 pins those keys.
 DeepSpeed at ZeRO-0 (which sums in bf16) is refused on the DeepSpeed back end, before any process group.
@@ -34,7 +34,7 @@ from .reference import gpt_reference
 
 pytestmark = [pytest.mark.dist]
 
-STEPS, RTOL, TP_RTOL, BF16_RTOL, CLIP = 6, 1e-5, 1e-4, 5e-4, 0.3
+STEPS, RTOL, TP_RTOL, BF16_RTOL, CLIP = 4, 1e-5, 1e-4, 5e-4, 0.3
 OPTIMIZER = {"optimizer": {"name": "sgd", "lr": 0.5, "momentum": 0.9, "weight_decay": 0.5},
              "gradient_clipping": CLIP}
 WEIGHTS_SEED = 5  # the weights= files: another model than seed 0's init, so a run that ignored them would differ
@@ -45,7 +45,6 @@ NATIVE = [
     ("ZeroRedundancyOptimizer dp4 ZeRO-1", "native", "cpu_dp4", {}, "meta"),
     ("FSDP2 dp4 ZeRO-2", "native", "cpu_dp4", {"zero": {"stage": 2}}, "weights"),
     ("FSDP2 dp4 ZeRO-3", "native", "cpu_zero3_dp4", {}, "builder"),
-    ("FSDP2 dp4 ZeRO-3", "native", "cpu_zero3_dp4", {}, "eager"),
     ("FSDP2 tp2 x dp2 ZeRO-3", "native", "cpu_tp2_dp2", {"zero": {"stage": 3}}, "meta"),
     ("stages pp2 x dp2 ZeRO-1", "native", "cpu_pp2_dp2", {}, "builder"),
     ("Accelerate DDP dp4 ZeRO-0", "accelerate", "cpu_dp4", {"zero": {"stage": 0}}, "meta"),
@@ -55,7 +54,6 @@ DEEPSPEED = [
     ("DeepSpeed dp4 ZeRO-1", "deepspeed", "cpu_dp4", {}, "meta"),
     ("DeepSpeed dp4 ZeRO-2", "deepspeed", "cpu_dp4", {"zero": {"stage": 2}}, "weights"),
     ("DeepSpeed dp4 ZeRO-3", "deepspeed", "cpu_zero3_dp4", {}, "meta"),
-    ("DeepSpeed dp4 ZeRO-3", "deepspeed", "cpu_zero3_dp4", {}, "eager"),
     ("DeepSpeed dp4 ZeRO-3", "deepspeed", "cpu_zero3_dp4", {}, "weights"),
     ("Accelerate's DeepSpeed dp4 ZeRO-3", "accelerate", "cpu_zero3_dp4", {}, "builder"),
     ("Accelerate's DeepSpeed dp4 ZeRO-1", "accelerate", "cpu_dp4", {}, "eager"),

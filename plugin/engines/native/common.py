@@ -92,7 +92,17 @@ def wrap_ddp(module: torch.nn.Module, groups, device: torch.device):
 
     return DistributedDataParallel(module, process_group=groups.data_context_group,
                                    device_ids=[device] if device.type == "cuda" else None,
-                                   gradient_as_bucket_view=True)  # gradients are views into DDP's buckets: no copy
+                                   gradient_as_bucket_view=True,  # gradients are views into DDP's buckets: no copy
+                                   # a routed model (mixture of experts): an expert that gets no token on one rank
+                                   # has no gradient there, and without this its bucket's all-reduce waits forever
+                                   # (longcat_flash at tensor 2 x data 2 hung in backward)
+                                   find_unused_parameters=routed(module))
+
+
+def routed(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds a mixture-of-experts block (a submodule class named ``*Expert*`` or ``*MoE*``, as
+    transformers' are), whose parameters a step may leave without a gradient on one rank."""
+    return any("expert" in type(m).__name__.lower() or "moe" in type(m).__name__.lower() for m in module.modules())
 
 
 class NativeEngine(Engine):

@@ -75,3 +75,23 @@ def test_the_trained_families_exercise_every_style_of_transformers_plans(resolve
     assert used <= set(HF_NAMES), f"styles the table lacks: {sorted(used - set(HF_NAMES))}"
     assert used - trained == set(), f"styles no trained family exercises: {sorted(used - trained)}"
     assert len(TP_FAMILIES) >= 12
+
+
+def test_a_per_head_norm_the_family_plan_omits_is_refused_not_crashed():
+    """Cohere with use_qk_norm: q_norm / k_norm are LayerNorms over [heads, head_dim] that its base plan (written for
+    the default, without them) leaves whole; at tensor 2 each rank would meet half the heads with all of them (a shape
+    error in the forward, found by the tensor 2 x pipeline 2 matrix). Refused before any group, by name."""
+    import torch
+    import transformers as tf
+
+    from plugin.errors import PluginError
+    from plugin.tensor_parallel import resolve_plan
+    from tests.hf_families import tiny_config
+
+    config = tiny_config("cohere")
+    config.use_qk_norm = True
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(PluginError, match=r"'model\.layers\.0\.self_attn\.q_norm\.weight' \(\(4, 16\)\) of "
+                                          r"CohereLayerNorm is per head"):
+        resolve_plan(model, "auto", 2)

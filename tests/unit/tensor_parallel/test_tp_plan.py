@@ -213,3 +213,15 @@ def test_recipe_schema_lists_the_style_table_and_transformers_names():
     assert enum == schema_names(), "schemas/recipe.schema.json's plan styles drifted from styles.TABLE"
     for name in list(HF_NAMES) + [e.name for e in TABLE if ":" not in e.name]:
         assert name in enum and parse_style(name)
+
+
+def test_the_docs_style_table_is_the_code_table():
+    """docs/tensor-parallel.md's style table is styles.TABLE, row by row (issue 20: generated from the code's table)."""
+    from pathlib import Path
+
+    from plugin.tensor_parallel.styles import TABLE
+
+    rows = [f"| `{e.name}` | {', '.join(e.hf) or '-'} | {e.targets.replace(' | ', ', ')} |" for e in TABLE]
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "tensor-parallel.md").read_text()
+    table = "| plugin style | transformers style | applies to |\n|---|---|---|\n" + "\n".join(rows) + "\n\n"
+    assert table in doc, "docs/tensor-parallel.md's style table is not styles.TABLE:\n" + table
