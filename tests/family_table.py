@@ -1,7 +1,7 @@
 """docs/models-and-data.md's table of transformers families and layouts, generated from the tests' own lists.
 
 Each family test under tests/dist (tensor 2, pipeline 2, the layouts combining axes) names its ``LAYOUTS`` and the
-``FAMILIES`` it trains in each, on both back ends, against one process; this module turns those lists into the table,
+``FAMILIES`` it trains in each, on both back ends unless its ``BACK_ENDS`` says otherwise, against one process; this module turns those lists into the table,
 and tests/unit/test_family_table.py holds the docs to it. After changing a list: ``python -m tests.family_table``
 rewrites the table in place.
 """
@@ -23,8 +23,11 @@ def tested() -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for name in TESTS:
         module = importlib.import_module(f"tests.dist.{name}")
+        ends = getattr(module, "BACK_ENDS", {})
         for layout in module.LAYOUTS:
-            out[_NAMES.get(layout, layout)] = list(module.FAMILIES)
+            only = ends.get(layout, ("native", "deepspeed"))
+            name = _NAMES.get(layout, layout) + ("" if len(only) == 2 else f" ({only[0]})")
+            out[name] = list(module.FAMILIES)
     return out
 
 
