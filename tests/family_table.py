@@ -2,8 +2,8 @@
 
 Each family test under tests/dist (tensor 2, pipeline 2, the layouts combining axes) names its ``LAYOUTS`` and the
 ``FAMILIES`` it trains in each, on both back ends unless its ``BACK_ENDS`` says otherwise, against one process;
-this module turns those lists into the table, and tests/unit/test_family_table.py holds the docs to it. After changing a list: ``python -m tests.family_table``
-rewrites the table in place.
+this module turns those lists into the table, and tests/unit/test_family_table.py holds the docs to it. After
+changing a list: ``python -m tests.family_table`` rewrites the table in place.
 """
 from __future__ import annotations
 
