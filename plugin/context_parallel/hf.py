@@ -16,6 +16,10 @@ from .batch import KEY_MASK
 from .errors import ContextParallelError
 
 NAME = "plugin_context_parallel"
+# The families whose decoder layers mix the sequence only in an attention call of this contract, with no argument
+# the context attention would drop (a soft-cap, attention sinks, a latent or linear attention of their own): the
+# others would train on their local chunks without an error, so they are refused by name
+FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -42,6 +46,11 @@ def attention_modules(model) -> list:
 def configure_hf(model, cp: ContextParallelContext) -> None:
     from transformers import AttentionInterface
 
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    if family not in FAMILIES:
+        raise ContextParallelError(f"{type(model).__name__} ({family}) under context parallelism is not supported: "
+                                   f"context parallelism runs the reference GPT and the transformers families "
+                                   f"{', '.join(FAMILIES)} -> \"context\": 1 for this model")
     modules = attention_modules(model)
     if not modules:
         raise ContextParallelError(f"{type(model).__name__} has no attention module with a layer_idx that calls "

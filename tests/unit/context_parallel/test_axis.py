@@ -173,3 +173,22 @@ def test_initialize_refuses_what_cannot_train_a_context_axis_before_any_group(mo
         plugin.initialize(module, recipe, backend=backend)
     assert said in capsys.readouterr().err
     assert not torch.distributed.is_initialized()
+
+
+def test_a_transformers_family_the_context_attention_cannot_reproduce_is_refused_by_name():
+    """Gemma2's attention soft-caps its scores (an argument the context attention would drop): under context
+    parallelism it would train its local chunks without an error; refused before any group, naming the families."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    import torch
+    import transformers as tf
+
+    from plugin.context_parallel.errors import ContextParallelError
+    from plugin.context_parallel.hf import configure_hf
+    from tests.hf_families import tiny_config
+
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(tiny_config("gemma2"))
+    with pytest.raises(ContextParallelError, match=r"\(gemma2\) under context parallelism is not supported.*llama"):
+        configure_hf(model, None)
