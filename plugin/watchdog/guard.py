@@ -297,7 +297,7 @@ class Guard:
 
 
 def _sizes(layout) -> dict:
-    return {"pp_size": layout.pipeline, "dp_size": layout.data, "tp_size": layout.tensor}
+    return {"pp_size": layout.pipeline, "dp_size": layout.data, "tp_size": layout.tensor, "cp_size": layout.context}
 
 
 def distributed_failure(exc: BaseException) -> bool:

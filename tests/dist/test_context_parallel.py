@@ -60,13 +60,13 @@ def _reference(recipe, steps: int = STEPS):
     """Losses, gradient norms (before clipping) and final parameters of one process on the whole global batch, cut
     into the layout's micro-batches."""
     from plugin.data.text import TextBatches
-    from plugin.engines.optim import build_optimizer
+    from plugin.engines.optim import WeightDecay, build_optimizer
     from plugin.models.gpt import GPT, GPTConfig, gpt_loss
 
     lay = recipe.layout()
     torch.manual_seed(0)
     model = GPT(GPTConfig.from_recipe_model(recipe.model))
-    opt = build_optimizer(model.parameters(), recipe.optimizer)
+    opt = build_optimizer(model.parameters(), recipe.optimizer, WeightDecay.of(model))
     data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
     losses, norms = [], []
     for step in range(steps):

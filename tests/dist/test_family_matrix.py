@@ -24,7 +24,7 @@ from .needs import need
 from .spawn import run
 
 need("transformers")
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # 4 spawns x 13 families: .ci/run's slow step
 
 STEPS = 3
 REL = 1e-4

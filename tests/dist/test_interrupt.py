@@ -27,7 +27,8 @@ from .reference import gpt_reference
 from .runs import ROOT, cpu_env, launcher_argv, recipe_variant, release_deepspeed_shm
 
 pytestmark = [pytest.mark.dist, pytest.mark.native]
-DEEPSPEED = [pytest.mark.deepspeed, pytest.mark.skipif(not importable("deepspeed"), reason="deepspeed not installed")]
+DEEPSPEED = [pytest.mark.deepspeed, pytest.mark.slow,
+             pytest.mark.skipif(not importable("deepspeed"), reason="deepspeed not installed")]
 LAUNCHERS = [pytest.param("deepspeed", marks=DEEPSPEED), "torchrun",
              pytest.param("accelerate", marks=pytest.mark.skipif(not importable("accelerate"),
                                                                  reason="accelerate not installed"))]
@@ -125,6 +126,7 @@ def test_sigint_to_launch_sh_saves_the_step_and_leaves_nothing(launcher, tmp_pat
 
 
 @pytest.mark.deepspeed
+@pytest.mark.slow
 @pytest.mark.skipif(not importable("deepspeed"), reason="deepspeed not installed")
 def test_sigterm_to_the_deepspeed_runner_then_resume_gives_one_process_s_losses(tmp_path):
     recipe = _recipe(tmp_path)

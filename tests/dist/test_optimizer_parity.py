@@ -32,7 +32,7 @@ from plugin.engines.choose import importable
 from . import spawn
 from .reference import gpt_reference
 
-pytestmark = [pytest.mark.dist]
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # 2 spawns x 13-16 engines: .ci/run's slow step
 
 STEPS, RTOL, TP_RTOL, BF16_RTOL, CLIP = 4, 1e-5, 1e-4, 5e-4, 0.3
 OPTIMIZER = {"optimizer": {"name": "sgd", "lr": 0.5, "momentum": 0.9, "weight_decay": 0.5},

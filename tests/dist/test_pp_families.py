@@ -76,13 +76,13 @@ def build(family: str):
 def reference(family: str) -> tuple[list[float], float, list[float]]:
     """One process: (losses, last step's gradient norm, every step's norm) with the model's own HF loss (the same
     for every layout: the global batch, optimizer and clipping are the layouts')."""
-    from plugin.engines.optim import build_optimizer
+    from plugin.engines.optim import WeightDecay, build_optimizer
     from plugin.recipe.spec import Recipe
 
     data = recipe_dict("pp2")
     recipe = Recipe.from_dict(data)
     model = build(family)
-    optimizer = build_optimizer(model.parameters(), recipe.optimizer)
+    optimizer = build_optimizer(model.parameters(), recipe.optimizer, WeightDecay.of(model))
     losses, norms = [], []
     batch = padded_batch(data["batch"]["global"], data["model"]["vocab"])
     threads = torch.get_num_threads()
@@ -138,7 +138,7 @@ def check(results, families):
 
 
 FAMILIES = list(PP_FAMILIES)
-CASES = [("pp2", "native"), pytest.param("pp2", "deepspeed", marks=pytest.mark.deepspeed)]
+CASES = [("pp2", "native"), pytest.param("pp2", "deepspeed", marks=[pytest.mark.deepspeed, pytest.mark.slow])]
 
 
 @pytest.mark.parametrize(("layout", "backend"), CASES)

@@ -129,6 +129,7 @@ def test_native_families_train_one_process_losses_at_tensor_2(tmp_path, layout):
 
 
 @pytest.mark.deepspeed
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [layout for layout, ends in BACK_ENDS.items() if "deepspeed" in ends])
 def test_deepspeed_families_train_one_process_losses_at_tensor_2(tmp_path, layout):
     need("deepspeed")

@@ -158,7 +158,7 @@ def recipes(tmp_path_factory):
 
 @pytest.mark.parametrize("case, launcher, backend", [
     pytest.param("tp2_pp2", "torchrun", "native", marks=pytest.mark.native),
-    pytest.param("tp2_dp2", "deepspeed", "deepspeed", marks=pytest.mark.deepspeed)])
+    pytest.param("tp2_dp2", "deepspeed", "deepspeed", marks=[pytest.mark.deepspeed, pytest.mark.slow])])
 def test_sigstop_one_rank_stops_the_job_and_names_it(recipes, case, launcher, backend):
     if backend == "deepspeed":
         need("deepspeed")
@@ -179,6 +179,7 @@ def test_sigstop_one_rank_stops_the_job_and_names_it(recipes, case, launcher, ba
 
 
 @pytest.mark.native
+@pytest.mark.slow
 def test_a_sleeping_rank_in_the_users_loop_stops_the_job(recipes):
     """accelerate launch, Accelerate's DDP: rank 1 sleeps in the loop after step 3; rank 0 waits in the next step's
     all-reduce, its guard names rank 1 (alive, beating, in the user's code) and stops the job; the sleeper's own
