@@ -269,7 +269,10 @@ class Guard:
         states = {r: _process_state(e) for r, e in ledgers.items() if r not in live}
         verdict = judge(self.topology, ledgers, live, groups, now=time.time(), timeout_s=self.timeout_s,
                         cause=cause, states=states, run_dir=str(self.directory))
-        print(verdict.line(self.rank), file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        # one write per line: every rank writes its line at once into the launcher's shared stderr, and print's two
+        # writes (the text, the newline) let two ranks' lines run into one (seen under torchrun on a loaded machine)
+        os.write(sys.stderr.fileno(), (verdict.line(self.rank) + "\n").encode())
         self.store.add("lines", 1)
         if self.rank == min(live, default=self.rank):
             deadline = time.monotonic() + 3
