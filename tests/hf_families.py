@@ -173,3 +173,21 @@ MATRIX_FAMILIES = list(PP_FAMILIES)
 # the pipeline overrides they train with: all but Cohere's per-head q/k norms, which its tp plan omits and tensor
 # parallelism refuses by name (tests/unit/tensor_parallel/test_tp_families.py)
 MATRIX_OVERRIDES = {**PP_OVERRIDES, "cohere": {}}
+
+
+def padded_batch(rows: int, vocab: int, seq: int) -> dict:
+    """The family tests' one batch (the same every step): rows of uneven lengths (6..seq), every third left-padded,
+    the rest right-padded, Hugging Face labels with -100 on the padding."""
+    import torch
+
+    gen = torch.Generator().manual_seed(100)
+    ids = torch.randint(1, vocab, (rows, seq), generator=gen)
+    mask = torch.zeros(rows, seq, dtype=torch.int64)
+    for r in range(rows):
+        n = int(torch.randint(6, seq + 1, (1,), generator=gen))
+        if r % 3 == 2:
+            mask[r, seq - n:] = 1
+        else:
+            mask[r, :n] = 1
+    ids = ids * mask
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}

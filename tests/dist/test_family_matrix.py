@@ -18,7 +18,7 @@ import functools
 import pytest
 import torch
 
-from tests.hf_families import MATRIX_FAMILIES, MATRIX_OVERRIDES, PP_DIMS, pp_model, tp_plan
+from tests.hf_families import MATRIX_FAMILIES, MATRIX_OVERRIDES, PP_DIMS, padded_batch, pp_model, tp_plan
 
 from .needs import need
 from .spawn import run
@@ -64,27 +64,12 @@ def recipe_dict(layout: str, family: str) -> dict:
     return data
 
 
-def padded_batch(vocab: int) -> dict:
-    """ROWS rows of uneven lengths (6..SEQ), every third left-padded, the rest right-padded; the same every step."""
-    gen = torch.Generator().manual_seed(100)
-    ids = torch.randint(1, vocab, (ROWS, SEQ), generator=gen)
-    mask = torch.zeros(ROWS, SEQ, dtype=torch.int64)
-    for r in range(ROWS):
-        n = int(torch.randint(6, SEQ + 1, (1,), generator=gen))
-        if r % 3 == 2:
-            mask[r, SEQ - n:] = 1
-        else:
-            mask[r, :n] = 1
-    ids = ids * mask
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
-
 @functools.cache
 def reference(family: str) -> tuple[list[float], list[float]]:
     """One process: (losses, gradient norms before clipping) with the model's own loss over the whole batch."""
     model = build(family)
     opt = torch.optim.SGD(model.parameters(), lr=SGD["lr"], momentum=SGD["momentum"])
-    batch = padded_batch(model.config.vocab_size)
+    batch = padded_batch(ROWS, model.config.vocab_size, SEQ)
     losses, norms = [], []
     for _ in range(STEPS):
         loss = model(**batch, use_cache=False).loss
@@ -105,7 +90,7 @@ def train_families(rank, world_size, recipes: dict, backend: str):
     for family, data in recipes.items():
         engine = plugin.initialize(build(family), Recipe.from_dict(data), backend=backend)
         engines.append(engine)  # alive until the spawn tears the process group down
-        batch = padded_batch(data["model"]["vocab"])
+        batch = padded_batch(ROWS, data["model"]["vocab"], SEQ)
         losses, norms = [], []
         for _ in range(STEPS):
             losses.append(engine.train_step(batch))

@@ -20,7 +20,7 @@ import functools
 import pytest
 import torch
 
-from tests.hf_families import PP_DIMS, PP_FAMILIES, pp_model
+from tests.hf_families import PP_DIMS, PP_FAMILIES, padded_batch, pp_model
 
 from .needs import need
 from .spawn import run
@@ -50,21 +50,6 @@ def recipe_dict(layout: str) -> dict:
     return data
 
 
-def padded_batch(rows: int, vocab: int) -> dict:
-    """Rows of uneven lengths (6..SEQ), every third left-padded, the rest right-padded."""
-    gen = torch.Generator().manual_seed(100)
-    ids = torch.randint(1, vocab, (rows, SEQ), generator=gen)
-    mask = torch.zeros(rows, SEQ, dtype=torch.int64)
-    for r in range(rows):
-        n = int(torch.randint(6, SEQ + 1, (1,), generator=gen))
-        if r % 3 == 2:
-            mask[r, SEQ - n:] = 1
-        else:
-            mask[r, :n] = 1
-    ids = ids * mask
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
-
 def build(family: str):
     import transformers as tf
 
@@ -84,7 +69,7 @@ def reference(family: str) -> tuple[list[float], float, list[float]]:
     model = build(family)
     optimizer = build_optimizer(model.parameters(), recipe.optimizer, WeightDecay.of(model))
     losses, norms = [], []
-    batch = padded_batch(data["batch"]["global"], data["model"]["vocab"])
+    batch = padded_batch(data["batch"]["global"], data["model"]["vocab"], SEQ)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: a second OpenMP thread spins on a loaded machine (182 s -> 8 s wall)
     try:
@@ -117,7 +102,7 @@ def train_families(rank, world_size, data: dict, backend: str, families: list[st
     for family in families:
         engine = plugin.initialize(build(family), recipe, backend=backend)
         engines.append(engine)
-        batch = padded_batch(engine.layout.global_batch, recipe.model.vocab)
+        batch = padded_batch(engine.layout.global_batch, recipe.model.vocab, SEQ)
         losses = [engine.train_step(batch) for _ in range(STEPS)]
         out[family] = losses, grad_norm(engine)
     return out  # the engines live until the spawn tears the process group down
