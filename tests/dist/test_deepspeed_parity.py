@@ -62,7 +62,15 @@ def assert_every_rank_agrees(run, world: int):
 SPLIT = {"cpu_tp2_pp2"}
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# The README's suite keeps the two layouts that cover the most engine paths (tensor x pipeline: PipelineModule, the
+# mpu, the resume under the launcher; ZeRO-3); the other seven run in the slow step (-m slow, also in .ci/run). Every
+# layout's parity with one process and its resumes across layouts and back ends stay in the README's suite through
+# tests/dist/test_checkpoint_matrix.py (one spawn, DeepSpeed's engine built in-process).
+README_SUITE = {"cpu_tp2_pp2", "cpu_zero3_dp4"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in README_SUITE else pytest.mark.slow)
+                                  for n in LAYOUTS])
 def test_layout_matches_single_process_and_resumes(name, reference, tmp_path):
     base, blocks = LAYOUTS[name]
     recipe = recipe_variant(base, tmp_path, name, **blocks)
@@ -116,10 +124,12 @@ def test_world_size_mismatch_exits_on_every_rank_without_hanging(tmp_path):
               re.findall(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+)\] \[\w+\] \[launch\.py:\d+:\w+\] "
                          r"(?:process \d+ spawned|.*exits with return code)", text, re.M)]
     assert len(stamps) >= 3, run.log()
-    assert (stamps[-1] - stamps[0]).total_seconds() < 10, run.log()
+    # A hang waits out a rendezvous or a collective (minutes); a refusal is each rank's imports and the check, a few
+    # seconds on a quiet machine, 10.03 s seen with the suite's other processes on the same 2 cores.
+    assert (stamps[-1] - stamps[0]).total_seconds() < 30, run.log()
 
 
-@pytest.mark.parametrize("model", ["gpt2", "llama"])
+@pytest.mark.parametrize("model", [pytest.param("gpt2", marks=pytest.mark.slow), "llama"])
 def test_transformers_models_match_single_process(model, tmp_path):
     """train.py --model gpt2/llama: transformers models, sharded by their auto plan at tp2 x dp2."""
     need("transformers")
