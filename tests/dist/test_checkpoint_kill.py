@@ -162,6 +162,7 @@ def test_killed_at_random_moments_then_resumed_continues_the_uninterrupted_run(w
 
 
 @pytest.mark.deepspeed
+@pytest.mark.slow
 @pytest.mark.skipif(not importable("deepspeed"), reason="deepspeed not installed")
 def test_deepspeed_killed_at_a_random_moment_then_resumed(whole, tmp_path):
     rng = random.Random(SEED + 1)

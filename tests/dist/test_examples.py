@@ -124,9 +124,9 @@ def test_lenet_bf16_zero1_under_accelerate_launch(tmp_path):
     assert re.search(r"accelerate over 2 process\(es\), held-out accuracy", out.stdout), out.stdout[-2000:]
 
 
-@pytest.mark.parametrize("launcher", [pytest.param("deepspeed", marks=pytest.mark.deepspeed),
+@pytest.mark.parametrize("launcher", [pytest.param("deepspeed", marks=[pytest.mark.deepspeed, pytest.mark.slow]),
                                       pytest.param("torchrun", marks=pytest.mark.native),
-                                      pytest.param("accelerate", marks=pytest.mark.native)])
+                                      pytest.param("accelerate", marks=[pytest.mark.native, pytest.mark.slow])])
 def test_hf_llama_example_trains_tp2_pp2_on_local_data(launcher, tmp_path):
     """examples/hf_llama.py: a transformers Llama from a config, the shipped JSONL through engine.dataloader (dict
     batches), cpu_tp2_pp2 on 4 processes, a save; the loss falls, the checkpoint is written."""

@@ -133,7 +133,7 @@ def _launch(backend):
 
 
 @pytest.fixture(scope="module", params=[pytest.param("native", marks=pytest.mark.native),
-                                        pytest.param("deepspeed", marks=pytest.mark.deepspeed)])
+                                        pytest.param("deepspeed", marks=[pytest.mark.deepspeed, pytest.mark.slow])])
 def results(request):
     if request.param == "deepspeed":
         need("deepspeed")
