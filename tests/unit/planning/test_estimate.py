@@ -355,6 +355,21 @@ def test_tensor_and_pipeline_volumes():
     assert _bytes(communication_per_rank(GPT, pipe, stage=0), "pipeline_send_gradients") == 0
 
 
+
+def test_a_context_rank_sends_tensor_and_pipeline_traffic_of_its_own_tokens():
+    """A context rank holds s/C tokens of each row: its tensor all-reduces and pipeline sends are 1/C of one
+    rank's without the axis (they once counted the whole sequence, so every context layout with tensor or
+    pipeline parallelism was timed as sending C times what it sends)."""
+    for c in (2, 4):
+        for name in ("tensor_parallel_blocks", "tensor_parallel_embedding_and_output"):
+            one = communication_per_rank(GPT, Setup(tp=4, micro_batch=2, micro_batches=2))
+            split = communication_per_rank(GPT, Setup(tp=4, cp=c, micro_batch=2, micro_batches=2))
+            assert _bytes(split, name) == pytest.approx(_bytes(one, name) / c), (c, name)
+        one = communication_per_rank(GPT, Setup(pp=4, micro_batch=2, micro_batches=4), stage=1)
+        split = communication_per_rank(GPT, Setup(pp=4, cp=c, micro_batch=2, micro_batches=4), stage=1)
+        for name in ("pipeline_send_activations", "pipeline_send_gradients"):
+            assert _bytes(split, name) == pytest.approx(_bytes(one, name) / c), (c, name)
+
 def test_tied_embedding_gradient_allreduce_across_pipeline_stages():
     """The first and last stage each hold the tied embedding and all-reduce its gradient once per step."""
     tied, untied = GPT, dataclasses.replace(GPT, tied_embeddings=False)
