@@ -52,7 +52,7 @@ def communication_per_rank(spec: ModelSpec, setup: Setup, stage: int = 0) -> lis
       per rank and the block's kv width h g/a over t: ring attention sends its keys and values (2nbhg/(at)
       values) C-1 times forward and C-1 times backward, plus the gradient accumulators of both, in fp32, C times;
       Ulysses all-to-alls q, k, v and the output, forward and backward, each sending (C-1)/C of the rank's tensor.
-      Full recompute repeats the forward's.
+      Full and selective recompute repeat the forward's (selective checkpoints the whole context attention).
     """
     t, dp, m = setup.tp, setup.replicas, setup.micro_batches
     p_bytes, g_bytes, _ = setup.state_bytes()
@@ -104,7 +104,7 @@ def _context_term(spec: ModelSpec, setup: Setup, stage: int, w: float) -> CommTe
     """The context attention's bytes per step on one rank (see :func:`communication_per_rank`)."""
     c, t, m = setup.cp, setup.tp, setup.micro_batches
     layers = spec.layers_on_stage(stage, setup.pp)
-    forwards = 2 if setup.recompute == "full" else 1
+    forwards = 2 if setup.recompute in ("full", "selective") else 1  # selective checkpoints the context attention whole
     n_b = spec.seq_len // c * setup.micro_batch
     kv = 2 * n_b * spec.hidden * spec.kv / spec.heads / t  # keys and values of this rank, kv heads
     if setup.cp_method == "ring":
