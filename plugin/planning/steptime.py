@@ -21,7 +21,8 @@ The model, term by term (all per optimizer step, on the slowest pipeline stage):
 - pipeline bubble: (p-1)/m (or /v interleaved) of the pipelined time (Narayanan et al. 2021, 2.2), and
   the point-to-point sends, two per schedule slot, on the critical path.
 - data-parallel communication, exposed part, as DeepSpeed runs it (the engine ``launcher: "auto"``
-  picks where DeepSpeed is installed) with the ``zero_optimization`` the plugin writes, where
+  picks where DeepSpeed is installed, except for a context axis, which the native back end trains: the same
+  terms there, an upper bound) with the ``zero_optimization`` the plugin writes, where
   ``overlap_comm`` keeps DeepSpeed's default, off at ZeRO 0-2 and on at ZeRO-3 (``zero/config.py``,
   ``overlap_comm_valid``), DeepSpeed 0.19.8:
   ZeRO-0 all-reduces the gradients after the last backward (``engine.allreduce_gradients`` from
