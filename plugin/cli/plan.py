@@ -1,11 +1,13 @@
 """``python -m plugin plan --model NAME|PATH.json --gpus N --gpu-memory 80GB ...``: the fastest layouts that fit.
 
-Searches every tensor x pipeline x data layout, ZeRO stage, micro-batch, recompute (none, selective, full: the
-recipe's ``activation_checkpointing``) and sequence-parallel choice (:mod:`plugin.planning.search`), keeps
-those whose most loaded rank fits, ranks them by a roofline step time and prints the top K with the reason
-for each place and the assumptions behind the ranking. ``--write`` ranks the model the written recipe
-describes (the reference GPT of the model's dimensions, :mod:`plugin.planning.to_recipe`), saves the winner, and
-refuses to write it unless ``estimate`` of the recipe agrees with the plan and says it fits.
+Searches every tensor x context x pipeline x data layout (context by ring or all-to-all attention), ZeRO stage,
+micro-batch, recompute (none, selective, full: the recipe's ``activation_checkpointing``) and sequence-parallel
+choice (:mod:`plugin.planning.search`), keeps those whose most loaded rank fits, ranks them by a roofline step
+time and prints the top K with the reason for each place and the assumptions behind the ranking. ``--write``
+ranks the model the written recipe describes (the reference GPT of the model's dimensions,
+:mod:`plugin.planning.to_recipe`), saves the winner (a context degree as ``"context"`` with its
+``context_parallel.method``), and refuses to write it unless it validates and ``estimate`` of the recipe agrees
+with the plan and says it fits.
 
 Exit codes: 0 a layout fits, 3 none fits (the output says how far off the closest is and what to change),
 2 an invalid model file or a written recipe that does not validate or agree with ``estimate``, 1 usage
@@ -27,9 +29,10 @@ NOTHING_FITS = 3
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "plan", help="find the fastest layout that fits a model on a cluster",
-        description="Search every tensor x pipeline x data layout, ZeRO stage, micro-batch, recompute (none, "
-                    "selective, full; selective ranks as none under fused attention, which stores no softmax) and "
-                    "sequence-parallel choice; keep those that fit; rank them by a roofline step time; print "
+        description="Search every tensor x context x pipeline x data layout (context by ring or all-to-all "
+                    "attention), ZeRO stage, micro-batch, recompute (none, selective, full; selective ranks as none "
+                    "under fused attention without a context axis, which stores no softmax) and sequence-parallel "
+                    "choice; keep those that fit; rank them by a roofline step time; print "
                     "the top K with the reason for each place; --write ranks the model the written recipe "
                     "describes (the reference GPT of these dimensions) and saves the best as a recipe.",
         epilog="Exit codes: 0 a layout fits, 3 none fits, 2 an invalid model file or a written recipe that does not "
@@ -145,12 +148,13 @@ def _print(result, written) -> None:
     rows = []
     for p in result.plans:
         s = p.setup
-        rows.append((str(p.rank), str(s.tp), str(s.pp), str(s.dp), str(s.zero_stage),
+        context = f"{s.cp} {s.cp_method}" if s.cp > 1 else "1"
+        rows.append((str(p.rank), str(s.tp), context, str(s.pp), str(s.dp), str(s.zero_stage),
                      f"{s.micro_batch} x {s.micro_batches}", "yes" if s.sequence_parallel else "no", s.recompute,
                      fmt_gb(p.memory.total), fmt_seconds(p.time.total),
                      f"{p.time.tokens_per_second_per_gpu:,.0f}", f"{p.time.mfu:.0%}"))
     print_table(f"Top {len(result.plans)} layouts (fastest first)",
-                ["#", "tensor", "pipeline", "data", "ZeRO", "micro x acc", "seq par", "recompute",
+                ["#", "tensor", "context", "pipeline", "data", "ZeRO", "micro x acc", "seq par", "recompute",
                  "mem/GPU", "step", "tok/s/GPU", "MFU"], rows,
                 right=["#", "tensor", "pipeline", "data", "ZeRO", "mem/GPU", "step", "tok/s/GPU", "MFU"])
     for p in result.plans:

@@ -28,6 +28,11 @@ def _term_detail(name: str, plan, spec: ModelSpec, gpus_per_node: int) -> str:
     if name == "tensor_communication":
         where = "inside a node" if group_inside_node("tensor", s, gpus_per_node) else "across nodes"
         return f"tensor-parallel all-reduces over {s.tp} ranks {where}, 4 per block per micro-batch"
+    if name == "context_communication":
+        kind = "the K/V ring" if s.cp_method == "ring" else "the attention's all-to-alls"
+        where = "inside a node" if group_inside_node("context", s, gpus_per_node) else "across nodes"
+        hidden = ", the part the attention's compute does not hide" if s.cp_method == "ring" else ""
+        return f"{kind} over {s.cp} context ranks {where}{hidden}"
     if name == "pipeline_bubble":
         return (f"the pipeline bubble, (p-1)/m = {s.pp - 1}/{s.micro_batches} = "
                 f"{bubble_fraction(s.pp, s.micro_batches):.0%}")
@@ -36,7 +41,8 @@ def _term_detail(name: str, plan, spec: ModelSpec, gpus_per_node: int) -> str:
     if name == "data_parallel_exposed":
         kind = {0: "gradient all-reduce", 1: "ZeRO-1 gradient reduction and weight gather",
                 2: "ZeRO-2 per-micro-batch reductions and weight gather", 3: "ZeRO-3 parameter gathers"}[s.zero_stage]
-        return f"the {kind} over {s.dp} ranks, which DeepSpeed does not overlap with compute"
+        over = f"{s.dp} x context {s.cp} = {s.replicas}" if s.cp > 1 else f"{s.dp}"
+        return f"the {kind} over {over} ranks, which DeepSpeed does not overlap with compute"
     if name == "embedding_allreduce":
         return "the tied embedding's gradient all-reduce between the first and last pipeline stage"
     if name == "optimizer_step":

@@ -1,25 +1,39 @@
 """Find the fastest layout that fits: enumerate, estimate, rank, explain (pure).
 
-Every layout of ``gpus`` = tensor x pipeline x data is tried with each ZeRO stage (2 and 3 only without
-pipeline parallelism, as DeepSpeed requires), sequence parallelism on and off (tensor > 1), each
+Every layout of ``gpus`` = tensor x context x pipeline x data is tried, a context degree C > 1 with each
+attention method it allows (``ring``; ``all_to_all`` too where tensor x context divides heads and kv_heads),
+with each ZeRO stage (2 and 3 only without pipeline parallelism, as DeepSpeed requires; above 0 only with
+more than one replica, data x context, to shard over), sequence parallelism on and off (tensor > 1), each
 recompute mode and every micro-batch size that divides the per-replica batch; each layout is ranked at
 its fastest micro-batch (so the top K are K different layouts, not one layout's micro-batch sizes).
-A layout is valid when the tensor size divides heads, kv_heads, hidden and ffn_hidden, the pipeline has
-no more stages than layers, and the data size divides the global batch. Those whose most loaded rank
-fits in the usable memory (:func:`plugin.planning.memory.usable_memory`) are ranked by
-:func:`plugin.planning.steptime.step_time` (DeepSpeed's overlap behaviour, see there), ties by memory.
+A layout is valid when the recipe checks would pass it (:mod:`plugin.planning.layouts` holds their rules): the
+tensor size divides heads, kv_heads, hidden and ffn_hidden, the pipeline has no more stages than layers, the data
+size divides the global batch, and seq_len cuts into 2 x C chunks (each cut over tensor again under sequence
+parallelism). Those whose most loaded rank fits in the usable memory
+(:func:`plugin.planning.memory.usable_memory`) are ranked by :func:`plugin.planning.steptime.step_time`
+(DeepSpeed's overlap behaviour, see there), ties by memory.
 
-Tensor groups stay inside a node: layouts whose tensor groups would cross nodes are tried only when no
-other fits, and the result says so. Memory grows with the micro-batch size, so the search stops at the
-first micro-batch that does not fit; 512 GPUs take well under a second. A cluster is whole nodes alike
-(a recipe's ``cluster`` is nodes x gpus_per_node): more GPUs than one node holds must be a multiple of it.
+Tensor groups stay inside a node, and so do context groups: layouts whose context groups would cross nodes are
+tried only when no other fits, then those whose tensor groups would (a context group sends keys and values once
+per block, the ring's under the attention's compute; a tensor group all-reduces the activations four times), and
+the result says so. Memory grows with the micro-batch size, so the search stops at the first micro-batch that does
+not fit. A context layout's micro-batch that is a multiple of C is skipped where its twin, the same layout with
+data x C instead of the axis, is searched (the global batch divides over it) and counts the attention's core alike
+(a fused kernel, or all-to-all): at micro-batch mb / C the twin holds the same tokens per rank and micro-batches per
+step, model states and traffic, less the context attention's outputs and traffic, so it needs no more memory and
+no more time; what the context axis adds that data parallelism cannot is fewer tokens per rank than one
+sequence, so micro-batches that are not multiples of C are all searched. With both rules the context axis about
+doubles the layouts estimated (llama2-7b on 512 GPUs: 2,270 against 1,112) and takes two to three times as long:
+512 GPUs still take well under a second (``python bench/planner.py``). A cluster is whole nodes alike (a recipe's
+``cluster`` is nodes x gpus_per_node): more GPUs than one node holds must be a multiple of it.
 
 The recompute modes are the recipe's ``activation_checkpointing`` modes: ``none``, ``selective`` (the attention
 core) and ``full`` (``"every": 1``). Attention is taken as fused (FlashAttention) unless ``fused_attention=False``
 (eager attention, or SDPA's math kernel, which stores the softmax): a fused kernel never stores the core, so
-``selective`` keeps what ``none`` keeps at the same time and is skipped there as a duplicate; with unfused
-attention it is ranked like any other mode. A SwiGLU MLP is taken as a fused kernel (6sbf), dropout masks as
-counted when the model's dropout is above 0.
+``selective`` keeps what ``none`` keeps at the same time and is skipped there as a duplicate, except on a
+context axis, where it checkpoints the context attention (dropping the outputs it keeps, running its forward
+again); with unfused attention it is ranked like any other mode. A SwiGLU MLP is taken as a fused kernel (6sbf),
+dropout masks as counted when the model's dropout is above 0.
 
 ``as_recipe=True`` ranks the model a recipe of the model's dimensions describes (the reference GPT,
 :meth:`plugin.planning.dims.ModelSpec.as_recipe_model`) instead of the model itself: what ``--write`` writes, and
@@ -28,11 +42,11 @@ what ``estimate`` of the written recipe counts. :mod:`plugin.planning.to_recipe`
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .dims import ModelSpec, params_text
+from .layouts import context_methods, context_sizes, divisors, sequence_parallel_choices, tensor_sizes, zero_stages
 from .memory import memory_per_rank, usable_memory
 from .reasons import explain
 from .setup import Breakdown, Setup
@@ -100,21 +114,10 @@ class PlanResult:
         }
 
 
-def divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
 def default_global_batch(gpus: int, seq_len: int) -> int:
     """About 4M tokens, rounded to a multiple of ``gpus`` (so every data size divides it)."""
     target = max(1, DEFAULT_TOKENS_PER_BATCH // seq_len)
     return gpus * max(1, round(target / gpus))
-
-
-def tensor_sizes(spec: ModelSpec, gpus: int) -> list[int]:
-    """Tensor sizes that divide the GPUs and the heads, kv_heads, hidden and ffn sizes."""
-    return [t for t in divisors(gpus)
-            if not (spec.heads % t or spec.kv % t or spec.hidden % t or spec.ffn % t)]
 
 
 @dataclass
@@ -132,31 +135,40 @@ class _Search:
     fits: list = field(default_factory=list)  # (time, memory, counter, Setup, Breakdown, StepTime)
     smallest: tuple | None = None  # (memory, Setup, Breakdown) of the least-memory layout tried
 
-    def run(self, cross_node: bool) -> None:
+    def run(self, cross_node: bool, context_across: bool = False) -> None:
+        """Search the layouts whose tensor groups cross nodes (``cross_node``), else those with tensor groups inside
+        a node and context groups inside one too, or crossing nodes (``context_across``)."""
         for tp in tensor_sizes(self.spec, self.gpus):
-            for pp in divisors(self.gpus // tp):
-                if pp > self.spec.layers:
-                    continue
-                dp = self.gpus // (tp * pp)
-                if self.global_batch % dp:
-                    continue
-                inside = group_inside_node("tensor", Setup(tp=tp, pp=pp, dp=dp), self.gpus_per_node)
-                if inside != cross_node:
-                    self._layouts(tp, pp, dp)
+            for cp in context_sizes(self.spec, self.gpus // tp):
+                for pp in divisors(self.gpus // (tp * cp)):
+                    if pp > self.spec.layers:
+                        continue
+                    dp = self.gpus // (tp * cp * pp)
+                    if self.global_batch % dp:
+                        continue
+                    placed = Setup(tp=tp, pp=pp, dp=dp, cp=cp)
+                    if group_inside_node("tensor", placed, self.gpus_per_node) == cross_node:
+                        continue
+                    if not cross_node and group_inside_node("context", placed, self.gpus_per_node) == context_across:
+                        continue
+                    for method in context_methods(self.spec, tp, cp):
+                        self._layouts(tp, pp, dp, cp, method)
 
-    def _layouts(self, tp: int, pp: int, dp: int) -> None:
+    def _layouts(self, tp: int, pp: int, dp: int, cp: int, method: str) -> None:
         per_replica = self.global_batch // dp
-        micro_sizes = divisors(per_replica)
-        stages = [0] if dp == 1 else ([0, 1] if pp > 1 else [0, 1, 2, 3])
-        sps = [False, True] if tp > 1 and self.spec.seq_len % tp == 0 else [False]
-        for zero in stages:
-            for sp in sps:
+        # The context layout's twin, data dp x cp without the axis, at micro-batch mb / cp holds the same tokens per
+        # rank and runs as many micro-batches, with the same model states and traffic less the context attention's:
+        # no more memory, no more time (module docstring). Those micro-batches are searched there, not here.
+        twin = cp > 1 and self.global_batch % (dp * cp) == 0 and (self.fused_attention or method == "all_to_all")
+        micro_sizes = [mb for mb in divisors(per_replica) if not (twin and mb % cp == 0)]
+        for zero in zero_stages(dp * cp, pp):
+            for sp in sequence_parallel_choices(self.spec, tp, cp):
                 for mode in self.recompute_modes:
-                    if mode == "selective" and self.fused_attention:
+                    if mode == "selective" and self.fused_attention and cp == 1:
                         continue  # the fused kernel stores no core: the same memory and time as "none"
                     best = None  # this layout at its fastest micro-batch
                     for mb in micro_sizes:
-                        setup = Setup(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch=mb,
+                        setup = Setup(tp=tp, pp=pp, dp=dp, cp=cp, cp_method=method, zero_stage=zero, micro_batch=mb,
                                       micro_batches=per_replica // mb, recompute=mode, sequence_parallel=sp,
                                       precision=self.precision, dropout=self.spec.dropout > 0,
                                       fused_attention=self.fused_attention)
@@ -205,6 +217,13 @@ def plan(spec: ModelSpec, gpus: int, gpu_memory: float, *, gpus_per_node: int = 
                      fused_attention=fused_attention)
     search.run(cross_node=False)
     if not search.fits:
+        # context groups across nodes before tensor groups: they send keys and values once per block (the ring's
+        # hidden under the attention's compute), tensor groups all-reduce the activations four times
+        search.run(cross_node=False, context_across=True)
+        if search.fits:
+            notes.append(f"no layout with tensor and context groups inside a node ({gpus_per_node} GPUs) fits; "
+                         f"these split context groups across nodes, whose keys and values go over InfiniBand")
+    if not search.fits:
         search.run(cross_node=True)
         if search.fits:
             notes.append(f"no layout with tensor groups inside a node ({gpus_per_node} GPUs) fits; these "
@@ -237,9 +256,14 @@ def assumptions(spec: ModelSpec, recompute_modes: Sequence[str], fused_attention
     skipped = fused_attention and "selective" in recompute_modes
     out = [f"recompute searched: {modes}"
            + ("; selective ranks as none here (a fused attention kernel stores no softmax, so there is no core "
-              "to recompute): listed only for unfused attention" if skipped else ""),
+              "to recompute): listed only for unfused attention and context layouts (whose checkpointed context "
+              "attention drops the outputs it keeps, at a forward of it more)" if skipped else ""),
            "data-parallel traffic timed as DeepSpeed runs it (overlap_comm off at ZeRO 0-2: gradient "
            "reductions exposed; on at ZeRO-3: gathers prefetched); torch DDP would hide more of ZeRO-0's",
+           "context searched: C > 1 where seq_len cuts into 2C chunks (2CT with sequence parallelism), ring, and "
+           "all-to-all where T x C divides heads and kv_heads; context groups inside a node unless nothing else "
+           "fits. A context layout trains on the native back end (DeepSpeed has no context axis), its data-parallel "
+           "traffic timed as DeepSpeed's all the same: an upper bound there (DDP and FSDP2 overlap more)",
            ("attention fused (FlashAttention / SDPA: no stored softmax); dropout " if fused_attention else
             "attention unfused (eager, or SDPA's math kernel: the softmax and its dropout stored); dropout ")
            + (f"{spec.dropout:g}: masks counted" if spec.dropout else "off (no masks)")]
@@ -283,21 +307,27 @@ def _nothing_fits(result: PlanResult, search: _Search, usable: float, reserve: f
 
 def _gpus_that_fit(spec: ModelSpec, gpus: int, gpus_per_node: int, usable: float, hardware: Hardware,
                    precision: str, modes: Sequence[str], search_fused: bool = True) -> int | None:
-    """The smallest gpus x 2^k (k <= 10) where some layout fits, at micro-batch 1; None if none."""
+    """The smallest gpus x 2^k (k <= 10) where some layout fits, at micro-batch 1; None if none.
+
+    Per tensor and pipeline size only the largest context size is tried (ring attention, any head count), and the
+    largest that allows sequence parallelism: ZeRO shards over data x context, the same for every split of the
+    rest into those two, and a larger context only leaves fewer tokens on each rank."""
     for k in range(1, 11):
         n = gpus * 2**k
         for tp in tensor_sizes(spec, n):
             for pp in divisors(n // tp):
                 if pp > spec.layers:
                     continue
-                dp = n // (tp * pp)
-                zero = 3 if (pp == 1 and dp > 1) else (1 if dp > 1 else 0)
-                setup = Setup(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch=1, micro_batches=max(pp, 1),
-                              recompute=modes[-1], sequence_parallel=tp > 1 and spec.seq_len % tp == 0,
-                              precision=precision, dropout=spec.dropout > 0,
-                              fused_attention=search_fused)
-                if memory_per_rank(spec, setup).total <= usable:
-                    return n
+                rest = n // (tp * pp)  # data x context
+                sizes = context_sizes(spec, rest)
+                with_sp = [c for c in sizes if True in sequence_parallel_choices(spec, tp, c)]
+                for cp, sp in {(sizes[-1], False), *([(with_sp[-1], True)] if with_sp else [])}:
+                    zero = 3 if (pp == 1 and rest > 1) else (1 if rest > 1 else 0)
+                    setup = Setup(tp=tp, pp=pp, dp=rest // cp, cp=cp, zero_stage=zero, micro_batch=1,
+                                  micro_batches=max(pp, 1), recompute=modes[-1], sequence_parallel=sp,
+                                  precision=precision, dropout=spec.dropout > 0, fused_attention=search_fused)
+                    if memory_per_rank(spec, setup).total <= usable:
+                        return n
     return None
 
 

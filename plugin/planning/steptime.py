@@ -7,17 +7,22 @@ The model, term by term (all per optimizer step, on the slowest pipeline stage):
   backward costs twice the forward, so training is the usual 6 x params x tokens plus 12 L s h x tokens
   (Narayanan et al. 2021, Appendix, eq. 3). Tensor parallelism divides a rank's share by t.
 - recompute: full recompute runs each block's forward again (x 8/6 on the blocks); selective recompute
-  only the attention core, 4bs^2h per block (Korthikanti et al. 2022, Section 5).
+  only the attention core, 4bs^2h per block (Korthikanti et al. 2022, Section 5), which a fused kernel without
+  a context axis recomputes in its backward anyway (no extra); a context attention under selective recompute
+  runs its whole forward again, core and K/V traffic (the reference GPT's :class:`plugin.models.gpt.Attention`
+  checkpoints it).
 - context communication (a context axis): the attention's K/V ring or all-to-alls of
   :func:`plugin.planning.traffic.communication_per_rank`; the ring's hidden under the attention core's compute
-  (forward and backward), the all-to-alls on the critical path. Compute, recompute and the data-parallel terms
-  divide by the context degree as by the data degree (each context rank computes s/cp tokens).
+  (forward, backward, and the recompute's forward), the all-to-alls on the critical path. Compute, recompute
+  and the data-parallel terms divide by the context degree as by the data degree (each context rank computes
+  s/cp tokens).
 - tensor communication: the all-reduces of :func:`plugin.planning.traffic.communication_per_rank`, on the
   critical path (Megatron does not overlap them), over NVLink when the tensor group is inside a node.
 - pipeline bubble: (p-1)/m (or /v interleaved) of the pipelined time (Narayanan et al. 2021, 2.2), and
   the point-to-point sends, two per schedule slot, on the critical path.
 - data-parallel communication, exposed part, as DeepSpeed runs it (the engine ``launcher: "auto"``
-  picks where DeepSpeed is installed) with the ``zero_optimization`` the plugin writes, where
+  picks where DeepSpeed is installed, except for a context axis, which the native back end trains: the same
+  terms there, an upper bound) with the ``zero_optimization`` the plugin writes, where
   ``overlap_comm`` keeps DeepSpeed's default, off at ZeRO 0-2 and on at ZeRO-3 (``zero/config.py``,
   ``overlap_comm_valid``), DeepSpeed 0.19.8:
   ZeRO-0 all-reduces the gradients after the last backward (``engine.allreduce_gradients`` from
@@ -183,8 +188,10 @@ def _stage_time(spec: ModelSpec, setup: Setup, hw: Hardware, gpus_per_node: int,
         layers_share = (2 * spec.seq_len * setup.micro_batch * spec.layers_on_stage(stage, setup.pp)
                         * spec.layer_matmul_params() / (setup.tp * setup.cp) + core)
         extra = layers_share / rate
-    elif setup.recompute == "selective" and not setup.fused_attention:
-        extra = core / rate  # (a fused attention kernel recomputes its core in backward anyway)
+    elif setup.recompute == "selective" and (setup.cp > 1 or not setup.fused_attention):
+        # (a fused attention kernel recomputes its core in backward anyway; a checkpointed context attention runs
+        # its whole forward again, its ring or all-to-alls included: traffic counts that forward twice)
+        extra = core / rate
     else:
         extra = 0.0
     comm = _comm_seconds(communication_per_rank(spec, setup, stage), setup, hw, gpus_per_node)
@@ -194,7 +201,8 @@ def _stage_time(spec: ModelSpec, setup: Setup, hw: Hardware, gpus_per_node: int,
     # backward) does not cover is exposed; Ulysses's all-to-alls sit on the critical path.
     context = sum(v for k, v in comm.items() if k.startswith("context_")) / m
     if setup.cp_method == "ring":
-        context = max(0.0, context - 3 * core / rate)
+        cores = 4 if setup.recompute in ("full", "selective") else 3  # forward, backward (2x), the recompute's forward
+        context = max(0.0, context - cores * core / rate)
     return {"forward": fwd, "backward": 2 * fwd, "recompute": extra, "tensor": tensor, "context": context,
             "comm": comm}
 

@@ -17,6 +17,9 @@ from .units import fmt_gb, fmt_seconds
 def to_recipe_data(plan_, result, name: str = "") -> dict:
     """A recipe (JSON data) for a plan: degrees, ZeRO stage, batch, memory savers, model and cluster.
 
+    A context degree above 1 is written as ``"context"`` in ``parallelism`` with its ``context_parallel.method``;
+    ``"launcher": "auto"`` then trains it on the native back end (the DeepSpeed back end has no context axis).
+
     Recompute is written as ``activation_checkpointing`` (``{"mode": "full", "every": k}``, or ``{"mode":
     "selective"}``). The model block carries the dimensions and dropout; the cluster is the planned one,
     whole nodes (``result.gpus`` is one node's share or a multiple of ``gpus_per_node``: :func:`plugin.
@@ -40,6 +43,9 @@ def to_recipe_data(plan_, result, name: str = "") -> dict:
         "parallelism": {"data": s.dp, "tensor": s.tp, "pipeline": s.pp},
         "zero": {"stage": s.zero_stage},
     }
+    if s.cp > 1:  # left out at 1, as the recipe's default: plans without the axis write what they always wrote
+        data["parallelism"]["context"] = s.cp
+        data["context_parallel"] = {"method": s.cp_method}
     if s.tp > 1:
         data["tensor_parallel"] = {"sequence_parallel": s.sequence_parallel, "plan": "auto"}
     if s.pp > 1:
@@ -63,12 +69,17 @@ def check_written_recipe(recipe, plan_, result) -> list[str]:
     """Where ``estimate`` of the written ``recipe`` disagrees with the plan it came from ([] if nowhere).
 
     The recipe is estimated exactly as ``python -m plugin estimate`` does (its own cluster's GPU memory and
-    gpus_per_node); its memory and step time must equal the plan's, and it must fit.
+    gpus_per_node); its context degree and method must be the plan's, its memory and step time must equal the
+    plan's, and it must fit.
     """
     from .for_recipe import estimate_recipe
 
     est = estimate_recipe(recipe, hardware=result.hardware)
     out = []
+    s, par = plan_.setup, recipe.parallelism
+    written = (par.context, recipe.context_parallel.method if par.context > 1 else "ring")
+    if written != (s.cp, s.cp_method):
+        out.append(f"the recipe says context {written[0]} ({written[1]}), the plan context {s.cp} ({s.cp_method})")
     if est.setup != plan_.setup:
         out.append(f"estimate reads the layout as {est.setup.label()}, the plan is {plan_.setup.label()}")
     read, ranked = _model_json(est.spec), _model_json(result.spec)

@@ -46,18 +46,20 @@ def communication_per_rank(spec: ModelSpec, setup: Setup, stage: int = 0) -> lis
       a ring of 2 sends the whole shard, Vh/t gradient values, from each of the two. In the gradients' dtype as
       DeepSpeed holds them (bf16 under bf16); the native back end keeps fp32 gradients under autocast and sends
       twice that. ``tests/dist/test_hf_layouts.py`` counts the bytes both back ends all-reduce at fp32: equal.
-    - context parallel: the data terms run over data x context (every rank holding the same parameters), and per
-      block and micro-batch the attention's own traffic (:mod:`plugin.context_parallel`), with n = s/C tokens
+    - context parallel: the data terms run over data x context (every rank holding the same parameters); the tensor
+      and pipeline terms above carry the rank's own s/C tokens of each row; and per block and micro-batch the
+      attention's own traffic (:mod:`plugin.context_parallel`), with n = s/C tokens
       per rank and the block's kv width h g/a over t: ring attention sends its keys and values (2nbhg/(at)
       values) C-1 times forward and C-1 times backward, plus the gradient accumulators of both, in fp32, C times;
       Ulysses all-to-alls q, k, v and the output, forward and backward, each sending (C-1)/C of the rank's tensor.
-      Full recompute repeats the forward's.
+      Full and selective recompute repeat the forward's (selective checkpoints the whole context attention).
     """
     t, dp, m = setup.tp, setup.replicas, setup.micro_batches
     p_bytes, g_bytes, _ = setup.state_bytes()
     psi = spec.stage_params(stage, setup.pp, t)
     w = setup.bytes_per_value
-    sbh = spec.seq_len * setup.micro_batch * spec.hidden
+    # A context rank holds seq_len / cp tokens of each row: its tensor all-reduces and pipeline sends carry only those.
+    sbh = spec.seq_len // setup.cp * setup.micro_batch * spec.hidden
     out: list[CommTerm] = []
     if dp > 1:
         r = ring_factor(dp)
@@ -102,7 +104,7 @@ def _context_term(spec: ModelSpec, setup: Setup, stage: int, w: float) -> CommTe
     """The context attention's bytes per step on one rank (see :func:`communication_per_rank`)."""
     c, t, m = setup.cp, setup.tp, setup.micro_batches
     layers = spec.layers_on_stage(stage, setup.pp)
-    forwards = 2 if setup.recompute == "full" else 1
+    forwards = 2 if setup.recompute in ("full", "selective") else 1  # selective checkpoints the context attention whole
     n_b = spec.seq_len // c * setup.micro_batch
     kv = 2 * n_b * spec.hidden * spec.kv / spec.heads / t  # keys and values of this rank, kv heads
     if setup.cp_method == "ring":

@@ -75,6 +75,33 @@ def test_plan_write_then_estimate_agree_for_a_tied_preset(tmp_path):
     assert "gives the same memory and step time (checked)" in text.stdout
 
 
+
+def test_plan_writes_a_context_layout_that_validates_and_estimates_the_same(tmp_path):
+    """A 512k-token sequence fits 8 x 32 GB only split over context ranks: the table names the degree and method,
+    the written recipe carries them, `validate` passes it and `estimate` of it says what the plan said."""
+    block = tmp_path / "long.json"
+    block.write_text(json.dumps({"layers": 24, "hidden": 1536, "heads": 12, "vocab": 32000, "seq_len": 524288}))
+    out = tmp_path / "long_cp.json"
+    r = cli("plan", "--model", str(block), "--gpus", "8", "--gpu-memory", "32GB", "--global-batch", "16",
+            "--top", "3", "--write", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "context" in r.stdout and "8 ring" in r.stdout
+    assert "\n1. tp1 pp1 dp1 zero3 mb1x16 cp8 ring full-recompute: fastest" in r.stdout, r.stdout
+    written = json.loads(out.read_text())
+    assert written["parallelism"] == {"data": 1, "tensor": 1, "pipeline": 1, "context": 8}
+    assert written["context_parallel"] == {"method": "ring"}
+    valid = cli("validate", str(out))
+    assert valid.returncode == 0, valid.stdout + valid.stderr
+    assert "x context 8" in valid.stdout
+    planned = json.loads(cli("plan", "--model", str(block), "--gpus", "8", "--gpu-memory", "32GB",
+                             "--global-batch", "16", "--top", "1", "--json", "--write", str(out)).stdout)
+    est = cli("estimate", str(out), "--json")
+    assert est.returncode == 0, est.stdout + est.stderr
+    estimated = json.loads(est.stdout)
+    assert estimated["fits"] is True and estimated["layout"]["cp"] == 8
+    assert estimated["memory"]["total"] == pytest.approx(planned["plans"][0]["memory"]["total"], rel=1e-12)
+    assert estimated["time"]["total"] == pytest.approx(planned["plans"][0]["time"]["total"], rel=1e-12)
+
 def test_plan_refuses_gpus_that_do_not_fill_whole_nodes():
     r = cli("plan", "--model", "llama2-7b", "--gpus", "12", "--gpus-per-node", "8", "--gpu-memory", "80GB")
     assert r.returncode == 1

@@ -355,6 +355,44 @@ def test_tensor_and_pipeline_volumes():
     assert _bytes(communication_per_rank(GPT, pipe, stage=0), "pipeline_send_gradients") == 0
 
 
+
+def test_a_context_rank_sends_tensor_and_pipeline_traffic_of_its_own_tokens():
+    """A context rank holds s/C tokens of each row: its tensor all-reduces and pipeline sends are 1/C of one
+    rank's without the axis (they once counted the whole sequence, so every context layout with tensor or
+    pipeline parallelism was timed as sending C times what it sends)."""
+    for c in (2, 4):
+        for name in ("tensor_parallel_blocks", "tensor_parallel_embedding_and_output"):
+            one = communication_per_rank(GPT, Setup(tp=4, micro_batch=2, micro_batches=2))
+            split = communication_per_rank(GPT, Setup(tp=4, cp=c, micro_batch=2, micro_batches=2))
+            assert _bytes(split, name) == pytest.approx(_bytes(one, name) / c), (c, name)
+        one = communication_per_rank(GPT, Setup(pp=4, micro_batch=2, micro_batches=4), stage=1)
+        split = communication_per_rank(GPT, Setup(pp=4, cp=c, micro_batch=2, micro_batches=4), stage=1)
+        for name in ("pipeline_send_activations", "pipeline_send_gradients"):
+            assert _bytes(split, name) == pytest.approx(_bytes(one, name) / c), (c, name)
+
+
+def test_selective_recompute_of_a_context_attention_runs_its_forward_again():
+    """The reference GPT checkpoints the whole context attention under selective recompute: backward runs its core
+    and its K/V traffic again, even on a fused kernel (without the axis a fused kernel recomputes its core anyway,
+    at no extra cost), and the attention's kept outputs are dropped."""
+    from plugin.planning.steptime import HARDWARE, forward_flops, step_time
+
+    hw = HARDWARE["h100"]
+    rate = hw.peak_flops * hw.matmul_efficiency
+    for method in ("ring", "all_to_all"):
+        base = Setup(tp=2, cp=2, cp_method=method, micro_batch=1, micro_batches=2)
+        sel = dataclasses.replace(base, recompute="selective")
+        _, core = forward_flops(GPT, base, 0)
+        assert step_time(GPT, sel).get("recompute") == pytest.approx(2 * core / rate)  # a core per micro-batch
+        kv = {"ring": "context_ring_kv", "all_to_all": "context_all_to_all"}[method]
+        full = dataclasses.replace(base, recompute="full")
+        assert _bytes(communication_per_rank(GPT, sel), kv) == _bytes(communication_per_rank(GPT, full), kv) > \
+            _bytes(communication_per_rank(GPT, base), kv)
+        assert memory_per_rank(GPT, base).get("context_attention_outputs") > 0
+        assert memory_per_rank(GPT, sel).get("context_attention_outputs") == 0
+    one = Setup(tp=2, micro_batch=1, micro_batches=2, recompute="selective")
+    assert step_time(GPT, one).get("recompute") == 0  # fused, no context axis: nothing extra
+
 def test_tied_embedding_gradient_allreduce_across_pipeline_stages():
     """The first and last stage each hold the tied embedding and all-reduce its gradient once per step."""
     tied, untied = GPT, dataclasses.replace(GPT, tied_embeddings=False)

@@ -34,7 +34,7 @@ def test_7b_on_8x80gb_returns_valid_layouts_that_fit(seven_b):
     usable, _ = usable_memory(80e9)
     for p in seven_b.plans:
         s = p.setup
-        assert s.tp * s.pp * s.dp == 8
+        assert s.tp * s.pp * s.dp * s.cp == 8  # tensor x pipeline x data x context
         assert LLAMA7.heads % s.tp == 0 and LLAMA7.kv % s.tp == 0 and LLAMA7.ffn % s.tp == 0
         assert s.pp <= LLAMA7.layers
         assert s.global_batch == seven_b.global_batch
@@ -47,8 +47,8 @@ def test_7b_on_8x80gb_returns_valid_layouts_that_fit(seven_b):
     assert [p.rank for p in seven_b.plans] == [1, 2, 3, 4, 5]
     assert seven_b.plans[0].reason.startswith("fastest")
     # each row is a different layout, shown at its best micro-batch
-    keys = {(p.setup.tp, p.setup.pp, p.setup.zero_stage, p.setup.sequence_parallel, p.setup.recompute)
-            for p in seven_b.plans}
+    keys = {(p.setup.tp, p.setup.pp, p.setup.cp, p.setup.cp_method, p.setup.zero_stage, p.setup.sequence_parallel,
+             p.setup.recompute) for p in seven_b.plans}
     assert len(keys) == 5
 
 
@@ -102,7 +102,7 @@ def test_plan_for_512_gpus_searches_many_layouts_and_finds_fitting_ones(name):
     result = plan(get_preset(name), 512, 80e9, top=5)
     assert result.considered > 100
     assert 0 < result.fitting <= result.considered and len(result.plans) == 5
-    assert all(p.setup.tp * p.setup.pp * p.setup.dp == 512 for p in result.plans)
+    assert all(p.setup.tp * p.setup.pp * p.setup.dp * p.setup.cp == 512 for p in result.plans)
 
 
 def test_nothing_fits_says_how_far_off_and_what_to_change():
@@ -189,6 +189,82 @@ def test_divisors():
     assert divisors(1) == [1] and divisors(12) == [1, 2, 3, 4, 6, 12]
 
 
+
+# ---------------------------------------------------------------- the context axis
+LONG = ModelSpec(layers=24, hidden=1536, heads=12, vocab=32000, seq_len=524288, tied_embeddings=False, name="long")
+
+
+def test_a_sequence_that_fits_only_split_over_context_ranks_is_planned_and_written_so():
+    """A 0.7B model at 512k tokens per row on 8 x 32 GB: one row's activations (even fully recomputed) and logits do
+    not fit any layout without a context axis, so every layout that fits splits the sequence, and the recipe written
+    for the best one says "context" and its method, validates and estimates to the plan (a search without the axis
+    found nothing here)."""
+    from plugin.recipe.checks import check_recipe
+
+    result = plan(LONG, 8, 32e9, top=1000, global_batch=16, as_recipe=True)
+    assert result.plans and all(p.setup.cp > 1 for p in result.plans), [p.setup.label() for p in result.plans]
+    best = result.plans[0]
+    assert "cp8 ring" in best.setup.label()
+    data = json.loads(json.dumps(to_recipe_data(best, result)))
+    assert data["parallelism"]["context"] == best.setup.cp and data["launcher"] == "auto"
+    assert data["context_parallel"] == {"method": best.setup.cp_method}
+    recipe, problems = recipe_from_data(data)
+    assert recipe is not None and not [p for p in problems if p.is_error], problems
+    assert not [p.format() for p in check_recipe(recipe, recipe.layout().world_size) if p.is_error]
+    assert recipe.layout().context == best.setup.cp
+    assert check_written_recipe(recipe, best, result) == []
+    for p in result.plans[:20]:  # every context layout written estimates to its plan, all-to-all among them
+        recipe, _ = recipe_from_data(json.loads(json.dumps(to_recipe_data(p, result))))
+        assert check_written_recipe(recipe, p, result) == [], p.setup.label()
+    # on 4 GPUs nothing fits; the advice counts the context axis on 8
+    assert "8 GPUs" in plan(LONG, 4, 32e9, global_batch=16).advice
+
+
+def test_written_recipe_disagreeing_on_the_context_axis_is_named():
+    result = plan(LONG, 8, 32e9, top=1, global_batch=16, as_recipe=True)
+    data = to_recipe_data(result.plans[0], result)
+    data["context_parallel"] = {"method": "all_to_all"}
+    recipe, _ = recipe_from_data(data)
+    said = check_written_recipe(recipe, result.plans[0], result)
+    assert said[0] == "the recipe says context 8 (all_to_all), the plan context 8 (ring)", said
+
+
+def test_context_groups_cross_nodes_only_when_nothing_else_fits():
+    """Two GPUs per node: context 4 and 8 put a context group over several nodes, so they are searched only because
+    no layout with tensor and context groups inside a node fits, and the note says so."""
+    result = plan(LONG, 8, 32e9, gpus_per_node=2, top=100, global_batch=16)
+    assert result.plans and any("split context groups across nodes" in n for n in result.notes)
+    assert all(not group_inside_node("context", p.setup, 2) for p in result.plans)
+    assert all(group_inside_node("tensor", p.setup, 2) for p in result.plans)
+    roomy = plan(LONG, 8, 80e9, gpus_per_node=2, top=100, global_batch=16)
+    assert roomy.plans and all(group_inside_node("context", p.setup, 2) for p in roomy.plans)
+    assert not any("across nodes" in n for n in roomy.notes)
+
+
+def test_no_layout_the_recipe_checks_refuse_is_proposed():
+    """seq_len 3000 cuts into 2 x C chunks for C = 1, 2, 4 only, and into 2 x C x T ones with sequence parallelism
+    for fewer; all-to-all needs 12 heads and 4 kv heads divisible by T x C. Every layout that fits on 8 GPUs, written
+    as a recipe, passes every recipe check, and each rule kept some layout out."""
+    from plugin.recipe.checks import check_recipe
+
+    spec = ModelSpec(layers=8, hidden=768, heads=12, kv_heads=4, vocab=32000, seq_len=3000, tied_embeddings=False,
+                     name="odd")
+    result = plan(spec, 8, 80e9, top=100000, global_batch=16, as_recipe=True)
+    assert len(result.plans) == result.fitting > 100
+    seen = set()
+    for p in result.plans:
+        s = p.setup
+        recipe, problems = recipe_from_data(json.loads(json.dumps(to_recipe_data(p, result))))
+        assert recipe is not None and not [q for q in problems if q.is_error], (s.label(), problems)
+        errors = [q.format() for q in check_recipe(recipe, recipe.layout().world_size) if q.is_error]
+        assert not errors, (s.label(), errors)
+        seen.add((s.tp, s.cp, s.cp_method, s.sequence_parallel))
+    assert {cp for _, cp, _, _ in seen} == {1, 2, 4}  # 2 x 8 does not divide 3000
+    assert (2, 2, "all_to_all", True) in seen and (1, 4, "all_to_all", False) in seen
+    assert not {(2, 4, "all_to_all"), (4, 2, "all_to_all")} & {k[:3] for k in seen}  # T x C = 8: 12 % 8
+    assert (2, 4, "ring", False) in seen and (2, 4, "ring", True) not in seen  # 2 x 4 x 2 = 16 does not divide 3000
+    assert (4, 2, "ring", True) not in seen and (4, 1, "ring", True) in seen
+
 # ---------------------------------------------------------------- presets and --model
 def test_preset_names_are_forgiving_and_unknown_ones_get_a_suggestion():
     assert get_preset("Llama-2-7B") is get_preset("llama2_7b") is LLAMA7
@@ -228,42 +304,60 @@ def test_model_from_a_json_block_or_a_recipe(tmp_path):
 @settings(max_examples=200, deadline=None)
 @given(tp=st.sampled_from([1, 2, 4, 8]), pp=st.sampled_from([1, 2, 4, 8]), per_replica=st.sampled_from([8, 16, 48, 64]),
        zero=st.integers(0, 3), sp=st.booleans(), mode=st.sampled_from(["none", "selective", "full"]),
-       schedule=st.sampled_from(["1f1b", "gpipe"]), preset=st.sampled_from(["llama2-7b", "gpt3-2.7b", "llama3-8b"]))
-def test_memory_never_shrinks_with_a_larger_micro_batch(tp, pp, per_replica, zero, sp, mode, schedule, preset):
-    """The search stops at the first micro-batch that does not fit: larger ones must not need less."""
+       schedule=st.sampled_from(["1f1b", "gpipe"]), preset=st.sampled_from(["llama2-7b", "gpt3-2.7b", "llama3-8b"]),
+       cp=st.sampled_from([1, 2, 4]), method=st.sampled_from(["ring", "all_to_all"]))
+def test_memory_never_shrinks_with_a_larger_micro_batch(tp, pp, per_replica, zero, sp, mode, schedule, preset, cp,
+                                                        method):
+    """The search stops at the first micro-batch that does not fit: larger ones must not need less (on a context
+    axis too)."""
     spec = get_preset(preset)
     totals = []
     for mb in divisors(per_replica):
-        setup = Setup(tp=tp, pp=pp, dp=2, zero_stage=zero, micro_batch=mb, micro_batches=per_replica // mb,
-                      recompute=mode, sequence_parallel=sp and tp > 1, schedule=schedule)
+        setup = Setup(tp=tp, pp=pp, dp=2, cp=cp, cp_method=method, zero_stage=zero, micro_batch=mb,
+                      micro_batches=per_replica // mb, recompute=mode, sequence_parallel=sp and tp > 1,
+                      schedule=schedule)
         totals.append(memory_per_rank(spec, setup).total)
     assert totals == sorted(totals)
 
 
-@pytest.mark.parametrize("preset,gpus,gpn,memory", [("gpt3-1.3b", 8, 8, 24e9), ("llama2-7b", 16, 8, 40e9),
-                                                     ("gpt3-2.7b", 12, 4, 16e9)])
-def test_pruned_search_finds_what_brute_force_finds(preset, gpus, gpn, memory):
-    spec = get_preset(preset)
-    result = plan(spec, gpus, memory, gpus_per_node=gpn, top=3, global_batch=48)
+@pytest.mark.parametrize("preset,gpus,gpn,memory,seq,fused", [
+    ("gpt3-1.3b", 8, 8, 24e9, None, True), ("llama2-7b", 16, 8, 40e9, None, True),
+    ("gpt3-2.7b", 12, 4, 16e9, None, True), ("gpt3-2.7b", 8, 8, 24e9, None, False),
+    ("llama2-7b", 16, 8, 40e9, 32768, True), ("gpt3-1.3b", 8, 4, 24e9, 16384, False)])
+def test_pruned_search_finds_what_brute_force_finds(preset, gpus, gpn, memory, seq, fused):
+    """Every valid tensor x context x pipeline x data layout, ZeRO stage, sequence parallelism, recompute mode,
+    context method and micro-batch, tried one by one (tensor and context groups inside a node, the search's first
+    placement), finds the search's winner: its micro-batch cut-off and its skipping of context layouts' micro-batches
+    that a layout without the axis matches lose nothing. The validity rules are spelled out here from the recipe
+    checks, not taken from the search; the long sequences and eager attention make context layouts win or count."""
+    spec = get_preset(preset) if seq is None else get_preset(preset).with_seq_len(seq)
+    result = plan(spec, gpus, memory, gpus_per_node=gpn, top=3, global_batch=48, fused_attention=fused)
     usable, _ = usable_memory(memory)
     best = None
-    for tp in divisors(gpus):
-        if spec.heads % tp or spec.kv % tp or spec.hidden % tp or spec.ffn % tp:
+    for tp, cp in itertools.product(divisors(gpus), divisors(gpus)):
+        if spec.heads % tp or spec.kv % tp or spec.hidden % tp or spec.ffn % tp or gpus % (tp * cp):
             continue
-        for pp in divisors(gpus // tp):
-            dp = gpus // (tp * pp)
+        if cp > 1 and spec.seq_len % (2 * cp):
+            continue
+        for pp in divisors(gpus // (tp * cp)):
+            dp = gpus // (tp * cp * pp)
             if pp > spec.layers or 48 % dp:
                 continue
-            for zero in ([0] if dp == 1 else [0, 1] if pp > 1 else [0, 1, 2, 3]):
-                for sp in ([False, True] if tp > 1 else [False]):
-                    for mode in ("none", "full"):
-                        for mb in divisors(48 // dp):
-                            s = Setup(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch=mb,
-                                      micro_batches=48 // dp // mb, recompute=mode, sequence_parallel=sp,
-                                      dropout=False)  # the presets' dropout is 0
-                            if memory_per_rank(spec, s).total <= usable and group_inside_node("tensor", s, gpn):
-                                key = (step_time(spec, s, gpus_per_node=gpn).total, memory_per_rank(spec, s).total)
-                                best = key if best is None or key < best else best
+            methods = ["ring"] + (["all_to_all"] if cp > 1 and spec.heads % (tp * cp) == spec.kv % (tp * cp) == 0
+                                  else [])
+            sps = [sp for sp in (False, True) if not sp or (tp > 1 and spec.seq_len % (2 * cp * tp if cp > 1 else tp)
+                                                                == 0)]
+            for method, sp, mode in itertools.product(methods, sps, ("none", "selective", "full")):
+                for zero in ([0] if dp * cp == 1 else [0, 1] if pp > 1 else [0, 1, 2, 3]):
+                    for mb in divisors(48 // dp):
+                        s = Setup(tp=tp, pp=pp, dp=dp, cp=cp, cp_method=method, zero_stage=zero, micro_batch=mb,
+                                  micro_batches=48 // dp // mb, recompute=mode, sequence_parallel=sp,
+                                  dropout=False, fused_attention=fused)  # the presets' dropout is 0
+                        if not (group_inside_node("tensor", s, gpn) and group_inside_node("context", s, gpn)):
+                            continue
+                        if memory_per_rank(spec, s).total <= usable:
+                            key = (step_time(spec, s, gpus_per_node=gpn).total, memory_per_rank(spec, s).total)
+                            best = key if best is None or key < best else best
     assert best is not None and result.plans
     assert (result.plans[0].time.total, result.plans[0].memory.total) == best
 
@@ -359,16 +453,20 @@ def test_the_assumptions_say_what_is_not_searched():
 
 def test_plan_searches_selective_recompute_and_writes_it():
     """With unfused attention the softmax and its dropout are stored, and selective recompute drops them at the cost
-    of the attention core once more: on 8 x 24 GB, GPT-3 6.7B's fastest layout that fits is a selective one (none
-    does not fit at that layout, full is slower), and the recipe written from it says so."""
+    of the attention core once more: on 8 x 24 GB, GPT-3 6.7B's fastest layout without a context axis that fits is
+    a selective one (none does not fit at that layout, full is slower), and the recipe written from it says so. The
+    fastest of all is selective too, on a context axis of 2 (its recompute hides ZeRO-3's gathers), written so."""
     spec = get_preset("gpt3-6.7b")
-    result = plan(spec, 8, 24e9, top=3, fused_attention=False, as_recipe=True)
-    best = result.plans[0].setup
+    result = plan(spec, 8, 24e9, top=10, fused_attention=False, as_recipe=True)
+    assert result.plans[0].setup.recompute == "selective" and result.plans[0].setup.cp == 2, result.plans[0].setup
+    assert to_recipe_data(result.plans[0], result)["activation_checkpointing"] == {"mode": "selective"}
+    chosen = next(p for p in result.plans if p.setup.cp == 1)
+    best = chosen.setup
     assert best.recompute == "selective" and not best.fused_attention, best.label()
     none = memory_per_rank(spec, dataclasses.replace(best, recompute="none")).total
-    assert none > usable_memory(24e9)[0] >= result.plans[0].memory.total
+    assert none > usable_memory(24e9)[0] >= chosen.memory.total
     assert "attention unfused" in " ".join(result.assumptions)
-    data = to_recipe_data(result.plans[0], result)
+    data = to_recipe_data(chosen, result)
     assert data["activation_checkpointing"] == {"mode": "selective"}
     recipe, problems = recipe_from_data(data)
     assert recipe is not None and not [p for p in problems if p.is_error], problems
