@@ -34,6 +34,7 @@ PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.che
            "torch.distributed.fsdp", "torch.distributed.pipelining", "torch.testing", "plugin", "plugin.engines",
            "plugin.engines.initialize", "plugin.models.gpt", "transformers", "deepspeed", "accelerate")
 
+
 def free_port() -> int:
     """A TCP port nothing listens on right now (bound once to port 0 and released)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
