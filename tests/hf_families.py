@@ -175,16 +175,17 @@ MATRIX_FAMILIES = list(PP_FAMILIES)
 MATRIX_OVERRIDES = {**PP_OVERRIDES, "cohere": {}}
 
 
-def padded_batch(rows: int, vocab: int, seq: int) -> dict:
-    """The family tests' one batch (the same every step): rows of uneven lengths (6..seq), every third left-padded,
-    the rest right-padded, Hugging Face labels with -100 on the padding."""
+def padded_batch(rows: int, vocab: int, seq: int, *, seed: int = 100, shortest: int = 6) -> dict:
+    """A padded batch of Hugging Face rows (the family tests' one batch, the same every step, by default): rows of
+    uneven lengths (``shortest``..seq), every third left-padded, the rest right-padded, labels -100 on the padding.
+    The layout and context tests draw one per step (``seed`` 100 + step, ``shortest`` 8)."""
     import torch
 
-    gen = torch.Generator().manual_seed(100)
+    gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab, (rows, seq), generator=gen)
     mask = torch.zeros(rows, seq, dtype=torch.int64)
     for r in range(rows):
-        n = int(torch.randint(6, seq + 1, (1,), generator=gen))
+        n = int(torch.randint(shortest, seq + 1, (1,), generator=gen))
         if r % 3 == 2:
             mask[r, seq - n:] = 1
         else:

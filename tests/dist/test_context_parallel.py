@@ -178,18 +178,11 @@ def _llama():
 
 
 def _padded(step: int, rows: int = 8):
-    """Rows of uneven lengths (8..seq), every third left-padded, the rest right-padded; labels -100 at the padding."""
-    seq, gen = HF_DIMS["seq_len"], torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(1, HF_DIMS["vocab"], (rows, seq), generator=gen)
-    mask = torch.zeros(rows, seq, dtype=torch.int64)
-    for r in range(rows):
-        n = int(torch.randint(8, seq + 1, (1,), generator=gen))
-        if r % 3 == 2:
-            mask[r, seq - n:] = 1
-        else:
-            mask[r, :n] = 1
-    ids = ids * mask
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    """Step ``step``'s batch: rows of uneven lengths (8..seq), every third left-padded, the rest right-padded; labels
+    -100 at the padding."""
+    from tests.hf_families import padded_batch
+
+    return padded_batch(rows, HF_DIMS["vocab"], HF_DIMS["seq_len"], seed=100 + step, shortest=8)
 
 
 def _hf_recipe(method: str, context: int):

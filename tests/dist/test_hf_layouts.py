@@ -77,18 +77,10 @@ def build(kind, dims):
 
 
 def padded_batch(step, rows, seq, vocab):
-    """Rows of uneven lengths (8..seq), every third left-padded, the rest right-padded."""
-    gen = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(1, vocab, (rows, seq), generator=gen)
-    mask = torch.zeros(rows, seq, dtype=torch.int64)
-    for r in range(rows):
-        n = int(torch.randint(8, seq + 1, (1,), generator=gen))
-        if r % 3 == 2:
-            mask[r, seq - n:] = 1
-        else:
-            mask[r, :n] = 1
-    ids = ids * mask
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    """Step ``step``'s batch: rows of uneven lengths (8..seq), every third left-padded, the rest right-padded."""
+    from tests.hf_families import padded_batch as padded
+
+    return padded(rows, vocab, seq, seed=100 + step, shortest=8)
 
 
 def gpt_batch(batch):
