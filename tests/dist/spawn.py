@@ -85,13 +85,6 @@ def run(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", timeou
 def _forkserver_preload() -> None:
     import multiprocessing.forkserver as fs
 
-    fs.set_forkserver_preload([m for m in PRELOAD if _importable(m)])  # read when the forkserver starts
+    from plugin.engines.choose import importable
 
-
-def _importable(name: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:  # a parent package is missing
-        return False
+    fs.set_forkserver_preload([m for m in PRELOAD if importable(m)])  # read when the forkserver starts
