@@ -109,33 +109,52 @@ class ParallelGroups:
         return len(self.model_ranks)
 
     @classmethod
-    def from_deepspeed_grid(cls, grid) -> ParallelGroups:
-        """Wrap the groups of a DeepSpeed ``PipelineParallelGrid`` (``pipeline_module._grid``); creates none.
+    def from_deepspeed_grid(cls, grid, context: int = 1, timeout: timedelta | None = None) -> ParallelGroups:
+        """Wrap the groups of a DeepSpeed ``PipelineParallelGrid`` (``pipeline_module._grid``).
 
         The grid must use the plugin's rank order (``PipeModelDataParallelTopology`` or
-        ``PipeDataParallelTopology``: axes pipe, data[, model]); its slice group is the tensor group.
+        ``PipeDataParallelTopology``: axes pipe, data[, model]); its slice group is the tensor group. With a context
+        axis (``context`` > 1) the grid's data axis is data x context, context fastest as in the plugin's order
+        (``PipeModelDataParallelTopology(num_dp=data * context)``): its data group is every rank holding the same
+        stage, over which the pipeline engine reduces gradients. The context groups and the data groups proper are
+        then created here, by every rank in the same order (``timeout`` as :func:`build_groups`'); without a context
+        axis nothing is created.
         """
         topo = grid.topology()
         axes = list(topo.get_axis_names())
         if axes not in (["pipe", "data"], ["pipe", "data", "model"]):
             raise GroupError(f"DeepSpeed grid with axes {axes}: the plugin's rank order is pipe, data, model "
                              f"(tensor fastest); build the PipelineModule with PipeModelDataParallelTopology")
-        topology = Topology(pp_size=topo.get_dim("pipe"), dp_size=topo.get_dim("data"),
-                            tp_size=topo.get_dim("model") if "model" in axes else 1)
+        replicas = topo.get_dim("data")
+        if replicas % context:
+            raise GroupError(f"DeepSpeed grid with {replicas} data ranks cannot hold context {context}: build its "
+                             f"topology with num_dp = data x context")
+        topology = Topology(pp_size=topo.get_dim("pipe"), dp_size=replicas // context,
+                            tp_size=topo.get_dim("model") if "model" in axes else 1, cp_size=context)
         rank = grid.get_global_rank()
         model_ranks = tuple(sorted(topo.get_axis_list(axis="data", idx=grid.get_data_parallel_rank())))
-        groups = cls(topology, rank,
-                     grid.get_slice_parallel_group(), tuple(grid.slice_group),
-                     grid.get_data_parallel_group(), tuple(grid.get_data_parallel_group_ranks()),
-                     grid.get_pipe_parallel_group(), tuple(grid.pp_group),
-                     grid.get_model_parallel_group(), model_ranks)
-        expected = {"tensor": groups.tensor_ranks, "data": groups.data_ranks,
-                    "pipeline": groups.pipeline_ranks, "model": groups.model_ranks}
+        tensor = grid.get_slice_parallel_group(), tuple(grid.slice_group)
+        replicas_group = grid.get_data_parallel_group(), tuple(grid.get_data_parallel_group_ranks())
+        pipeline = grid.get_pipe_parallel_group(), tuple(grid.pp_group)
+        model = grid.get_model_parallel_group(), model_ranks
+        if context == 1:
+            groups = cls(topology, rank, *tensor, *replicas_group, *pipeline, *model)
+        else:
+            made = {}
+            for axis in ("data", "context"):  # every rank creates every group, in the topology's order
+                for ranks in getattr(topology, f"{axis}_groups")():
+                    group = dist.new_group(ranks, timeout=timeout)
+                    if rank in ranks:
+                        made[axis] = group, tuple(ranks)
+            groups = cls(topology, rank, *tensor, *made["data"], *pipeline, *model, *made["context"], *replicas_group)
+        expected = {"tensor": groups.tensor_ranks, "data": groups.data_ranks, "pipeline": groups.pipeline_ranks,
+                    "model": groups.model_ranks, "data_context": groups.data_context_ranks}
         wrong = {axis: ranks for axis, ranks in expected.items() if list(ranks) != topology.group_of(rank, axis)}
         if wrong:
             raise GroupError(f"DeepSpeed grid groups {wrong} differ from the plugin's topology {topology} at rank "
                              f"{rank}; build the PipelineModule's topology as PipeModelDataParallelTopology("
-                             f"num_pp={topology.pp_size}, num_mp={topology.tp_size}, num_dp={topology.dp_size})")
+                             f"num_pp={topology.pp_size}, num_mp={topology.tp_size}, "
+                             f"num_dp={topology.dp_size * topology.cp_size})")
         return groups
 
     # ------------------------------------------------------------------------------------------------------------
@@ -198,6 +217,28 @@ class ParallelGroups:
 
     def get_model_parallel_group(self):
         return self.model_group
+
+    # DeepSpeed's sequence parallelism is the context axis: with these, its engine reduces (ZeRO: partitions)
+    # gradients over the sequence-data-parallel group (data x context) and divides their sum by the data degree
+    # alone, while its batch accounting (train_batch_size = micro x grad_accum x data) counts data ranks only.
+    # Without a context axis they name a context of one and the data group: DeepSpeed behaves as it did.
+    def get_sequence_parallel_rank(self) -> int:
+        return self.cp_rank
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.cp_size
+
+    def get_sequence_parallel_group(self):
+        return self.context_group  # None without a context axis (DeepSpeed asks only when its size > 1)
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.data_context_ranks.index(self.rank)
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.data_context_size
+
+    def get_sequence_data_parallel_group(self):
+        return self.data_context_group
 
 
 def build_groups(topology: Topology, backend: str | None = None, timeout: timedelta | None = None) -> ParallelGroups:

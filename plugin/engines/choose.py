@@ -2,15 +2,14 @@
 installed (no torch import; :func:`plugin.engines.initialize.choose_backend` feeds in the live values).
 
 * ``"deepspeed"``: DeepSpeed is importable and the recipe allows it (launcher auto/deepspeed; a pipeline
-  schedule DeepSpeed runs, i.e. 1F1B; no context axis, which the DeepSpeed back end does not train yet and a
-  ``"launcher": "deepspeed"`` recipe is refused for), and the job was not started by ``accelerate launch``.
+  schedule DeepSpeed runs, i.e. 1F1B), and the job was not started by ``accelerate launch``.
 * ``"accelerate"``: started by ``accelerate launch`` (launcher auto/accelerate) and the recipe needs nothing
   Accelerate cannot carry (:func:`accelerate_mode`): ``Accelerator`` itself trains, with DDP, its
   DeepSpeed plugin (which imports transformers: only where deepspeed and transformers are both installed)
   or its FSDP2 plugin.
-* ``"native"``: everything else: DeepSpeed missing, launcher torchrun/accelerate, a context axis, tensor or pipeline
-  parallelism under ``accelerate launch``, or what Accelerate cannot do on this device or with what is installed
-  (ZeRO >= 1 without transformers: as without deepspeed).
+* ``"native"``: everything else: DeepSpeed missing, launcher torchrun/accelerate, tensor, pipeline or context
+  parallelism under ``accelerate launch``, or what Accelerate cannot do on this device or with what
+  is installed (ZeRO >= 1 without transformers: as without deepspeed).
 
 ``accelerate launch`` is recognised by ``ACCELERATE_MIXED_PRECISION``, which its simple, multi-GPU/CPU and
 DeepSpeed launchers all export to every process they start (accelerate 1.x, ``utils/launch.py``);
@@ -79,6 +78,4 @@ def choose(recipe, *, environ: Mapping[str, str], has_deepspeed: bool, cuda: boo
         return "native"
     if recipe.parallelism.pipeline > 1 and recipe.pipeline_parallel.schedule != "1f1b":
         return "native"  # DeepSpeed's PipelineEngine runs 1F1B only
-    if recipe.parallelism.context > 1:
-        return "native"  # the DeepSpeed back end does not train a context axis yet
     return "deepspeed" if has_deepspeed else "native"

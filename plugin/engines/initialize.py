@@ -149,9 +149,6 @@ def _check_context_parallel(model, recipe: Recipe, backend: str, env) -> None:
         problems.append(Problem("$.parallelism.context", "Accelerate's Accelerator takes no custom process groups, so "
                                 "it cannot reduce gradients over data x context", 'use backend "native" (what '
                                 "accelerate launch runs for a context axis)"))
-    if backend == "deepspeed":
-        problems.append(Problem("$.parallelism.context", "the DeepSpeed back end does not train a context axis yet",
-                                'use backend "native" ("launcher": "auto" or "torchrun" chooses it)'))
     if problems:
         _fail([p.with_file(recipe.source) for p in problems], env)
 

@@ -49,6 +49,11 @@ def recipe_ds_config(recipe, layout) -> dict:
         zero["offload_optimizer"] = _offload(z.offload_optimizer, z.nvme_path)
     if z.offload_param != "none":
         zero["offload_param"] = _offload(z.offload_param, z.nvme_path)
+    if z.stage == 3 and layout.context > 1:
+        # the stage-3 optimizer's one path that divides every bucket's data x context sum by data x context (with it
+        # off, DeepSpeed 0.19.8 divides a bucket under reduce_bucket_size by data alone: zero/stage3.py), which the
+        # engine's loss scale counts on (plugin/engines/deepspeed/engine.py, sum_scale)
+        zero["reduce_scatter"] = True
     cfg: dict[str, Any] = {
         "train_batch_size": layout.global_batch,
         "train_micro_batch_size_per_gpu": layout.micro_batch,

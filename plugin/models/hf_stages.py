@@ -340,6 +340,10 @@ def first_stage_inputs(inputs) -> tuple:
     if not isinstance(inputs, Mapping):
         inputs = {"input_ids": inputs}
     extra = sorted(set(inputs) - {"input_ids", "attention_mask", "position_ids", "use_cache"})
+    if "context_key_mask" in extra:  # plugin.context_parallel.batch.KEY_MASK: the context cut adds it for padding
+        raise PluginError("padded rows (an attention_mask with zeros) under context parallelism and pipeline stages: "
+                          "the whole sequence's key mask, which every context rank's attention needs, does not cross "
+                          "stage boundaries -> unpadded (packed) rows, or pipeline 1, or context 1")
     if extra:
         raise PluginError(f"a dict batch holds {extra}: under pipeline stages only input_ids, attention_mask and "
                           "position_ids cross stage boundaries -> drop those keys, or train at pipeline 1")

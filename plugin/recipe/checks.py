@@ -134,10 +134,6 @@ def check_context_parallel(recipe: Recipe, layout: Layout | None) -> Problems:
             yield Problem("$.context_parallel.method", f'"{method}" with context 1 is ignored: nothing is split',
                           'set "context" > 1 in $.parallelism, or drop the context_parallel block', WARNING)
         return
-    if recipe.launcher == "deepspeed":
-        yield Problem("$.launcher", f"context {c} with \"launcher\": \"deepspeed\": the DeepSpeed back end does not "
-                      "train a context axis yet (the native back end does, by ring or all-to-all attention)",
-                      'set "launcher": "auto" or "torchrun" (the native back end), or "context": 1')
     if m is None:
         return
     sp = recipe.tensor_parallel.sequence_parallel and tp > 1
@@ -219,19 +215,20 @@ def check_native_back_end(recipe: Recipe, layout: Layout | None = None, *, chose
 
 
 def check_deepspeed_back_end(recipe: Recipe, layout: Layout | None = None, *, chosen: bool = False) -> Problems:
-    """bf16 at ZeRO-0 on DeepSpeed without a pipeline, where gradients are summed (``data`` x ``grad_accum`` > 1):
-    DeepSpeed 0.19.8 then accumulates the micro-batches' gradients in bf16 (FP16_Optimizer; fp32 accumulation,
-    ``data_types.grad_accum_dtype``, it refuses at stage 0 as an "unsupported mix") and keeps the data-parallel sum
-    in bf16 (all-reduced in fp32, rounded back), where ZeRO-1, its pipeline engine and the native back end keep
-    both in fp32. As a recipe rule only where the recipe names that back end (``"launcher": "deepspeed"``) and the
-    layout is known; with ``chosen``, whenever it trains: :func:`plugin.engines.initialize.initialize` passes it
-    when the DeepSpeed back end was chosen."""
+    """bf16 at ZeRO-0 on DeepSpeed without a pipeline, where gradients are summed (``data`` x ``context`` x
+    ``grad_accum`` > 1): DeepSpeed 0.19.8 then accumulates the micro-batches' gradients in bf16 (FP16_Optimizer; fp32
+    accumulation, ``data_types.grad_accum_dtype``, it refuses at stage 0 as an "unsupported mix") and keeps the
+    data-parallel sum in bf16 (all-reduced in fp32, rounded back), where ZeRO-1, its pipeline engine and the native
+    back end keep both in fp32. As a recipe rule only where the recipe names that back end (``"launcher":
+    "deepspeed"``) and the layout is known; with ``chosen``, whenever it trains:
+    :func:`plugin.engines.initialize.initialize` passes it when the DeepSpeed back end was chosen."""
     if (not chosen and recipe.launcher != "deepspeed") or layout is None:
         return
     if recipe.precision == "bf16" and recipe.zero.stage == 0 and recipe.parallelism.pipeline == 1 \
-            and layout.data * layout.grad_accum > 1:
+            and layout.data * layout.context * layout.grad_accum > 1:
+        over = f"{layout.data} data" + (f" x {layout.context} context" if layout.context > 1 else "")
         yield Problem("$.zero.stage", f"bf16 at ZeRO stage 0 on DeepSpeed accumulates the gradients of "
-                      f"{layout.grad_accum} micro-batch(es) in bf16 and keeps their sum over {layout.data} data "
+                      f"{layout.grad_accum} micro-batch(es) in bf16 and keeps their sum over {over} "
                       "rank(s) in bf16 (DeepSpeed refuses fp32 accumulation at stage 0), where every other layout "
                       "keeps them in fp32",
                       'use "zero": {"stage": 1} (fp32 sums, less optimizer memory), or the native back end '

@@ -3,8 +3,9 @@ contradicting them (:func:`check_deepspeed_block`, one of :mod:`plugin.recipe.ch
 
 The recipe owns the batch triple, ``gradient_clipping``, ``zero_optimization.stage`` and the offload
 devices, the pipeline's stages / partition / checkpoint interval, fp16 / bf16 ``enabled`` and the loss-scale
-keys, the optimizer and ``sequence_parallel_size`` (the context degree); with activation checkpointing in a
-pipeline, ``pipeline.use_reentrant`` (false); under sequence parallelism in a tensor x pipeline layout,
+keys, the optimizer and ``sequence_parallel_size`` (the context degree; at ZeRO-3 with a context axis,
+``zero_optimization.reduce_scatter``: true); with activation checkpointing in a pipeline, ``pipeline.use_reentrant``
+(false); under sequence parallelism in a tensor x pipeline layout,
 ``pipeline.pipe_partitioned`` and ``grad_partitioned`` (false: :func:`activations_split_over_tensor`). A raw key
 there may only repeat what the recipe says, *including its defaults* (``{"pipeline": {"stages": 4}}`` under a
 one-stage recipe is an error, not an override); every other raw key (``overlap_comm``, ``reduce_bucket_size``, a
@@ -145,6 +146,8 @@ def owned_keys(recipe, layout) -> dict:
                                    "nvme_path": Owned(z.nvme_path, "$.zero.nvme_path") if z.nvme_path else no_path}
     for old, new in (("cpu_offload", "optimizer"), ("cpu_offload_param", "param")):
         zero[old] = Owned(ABSENT, f"$.zero.offload_{new}", f"it is DeepSpeed's deprecated alias of offload_{new}")
+    if z.stage == 3 and recipe.parallelism.context > 1:  # interop.deepspeed_config.recipe_ds_config says why
+        zero["reduce_scatter"] = Owned(True, "$.parallelism.context")
     tree["zero_optimization"] = zero
     scale = recipe.fp16_resolved
     fp16 = {"enabled": Owned(recipe.precision == "fp16", "$.precision")}

@@ -67,6 +67,8 @@ ENGINE_ADJUSTED_KEYS = {
     "zero_optimization.stage3_prefetch_bucket_size": "capped likewise (ZeRO-3)",
     "zero_optimization.stage3_param_persistence_threshold": "lowered until parameters kept whole cost at most 1% of "
                                                             "the rank's shard (ZeRO-3)",
+    "train_batch_size": "x context with a pipeline: the PipelineModule's grid counts every rank holding the stage, "
+                        "data x context, as a data rank (DeepSpeed reads no sequence_parallel_size beside it)",
 }
 
 
@@ -76,8 +78,12 @@ def engine_config(recipe, world_size: int, *, use_ds_optimizer: bool, numels: tu
     unless the recipe's deepspeed block asks for them."""
     cfg = to_ds_config(recipe, world_size)
     raw = recipe.deepspeed or {}
+    lay = recipe.layout(world_size)
     if cfg["zero_optimization"]["stage"] >= 1 and numels:
-        size_buckets(cfg["zero_optimization"], list(numels), recipe.layout(world_size).data)
+        # ZeRO partitions over data x context (DeepSpeed's sequence-data group, a pipeline grid's data group)
+        size_buckets(cfg["zero_optimization"], list(numels), lay.data * lay.context)
+    if lay.pipeline > 1:
+        cfg["train_batch_size"] *= lay.context
     if not use_ds_optimizer:
         cfg.pop("optimizer", None)
         if recipe.zero.offload_optimizer != "none":

@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 import torch
 
+from ...context_parallel.apply import apply_context_parallel
 from ...distributed.groups import ParallelGroups, build_groups
 from ...errors import PluginError
 from ...materialize.sinks import Zero3Sink
@@ -101,6 +102,12 @@ class DeepSpeedEngine(Engine):
         self.loss_fn = loss_fn
         self.pipelined = pipelined
         self.forward_is_local = not pipelined and recipe.zero.stage < 3  # ZeRO-3 gathers parameters in the forward
+        # The plugin's losses are shares of a mean over data x context (the native back end's DDP averages them);
+        # DeepSpeed 0.19.8 divides the data x context sum of gradients by data alone at stages 0-2 (a sequence-parallel
+        # group's losses are parts of one sum to it: zero/stage_1_and_2.py, engine.py's allreduce), so 1/context
+        # makes the two agree; its stage-3 reduce-scatter (the only path config.py leaves it) divides by data x
+        # context itself (zero/stage3.py __avg_scatter_grads), as the pipeline engine does over its grid's data axis
+        self.sum_scale = 1.0 if recipe.zero.stage == 3 or pipelined else 1.0 / layout.context
 
     def stage_micro_batches(self, batch) -> list:
         """The PipelineModule's micro-batches: ``(first stage's input, labels)`` each (:meth:`first_stage_input`)."""
@@ -117,6 +124,8 @@ class DeepSpeedEngine(Engine):
         micro = self.micro_batches(batch)
         losses, mean_loss = [], None
         scale = state.unapplied_loss_scale(self.ds)
+        if self.sum_scale != 1.0:
+            scale = (1.0 if scale is None else scale) * self.sum_scale
         for i, (inputs, labels) in enumerate(micro):
             loss = self.loss_fn(self.call_model(self.ds, inputs), labels)
             losses.append(loss.detach().float())
@@ -238,18 +247,22 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
         from deepspeed.pipe import PipelineModule
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
+        # the grid's data axis is data x context (context fastest, the plugin's rank order): the pipeline engine
+        # reduces gradients over every rank holding the stage and divides them by their count
         ds_topology = PipeModelDataParallelTopology(num_pp=layout.pipeline, num_mp=layout.tensor,
-                                                    num_dp=layout.data)
+                                                    num_dp=layout.data * layout.context)
         pp = recipe.pipeline_parallel
         module = _stage_class(PipelineModule)(layers=tied.to_specs(layers_of(model), ties, bounds),
                                               topology=ds_topology,
                                               partition_method=pp.partition,
                                               activation_checkpoint_interval=recipe.activation_checkpointing.interval)
-        groups = ParallelGroups.from_deepspeed_grid(module._grid)  # one grid: its slice group is the tensor group
+        # one grid: its slice group is the tensor group (with a context axis the context groups are made beside it)
+        groups = ParallelGroups.from_deepspeed_grid(module._grid, layout.context, timeout=ctx.pg_timeout)
         loss_fn = module.loss_fn = loss_for(groups.tensor_group)
         if layout.tensor > 1:
             apply_tp(model, groups.tensor_group, pp_rank=groups.pp_rank)
             layers_of(model)  # re-syncs a transformers stage list with the sharded modules (hf_stages)
+        apply_context_parallel(model, groups, recipe.context_parallel.method)  # nothing at context 1
         count_each_gradient_once(module, groups.tp_rank)  # marks on meta parameters survive materialising
         tied.mark_replicas(module)  # after the tensor-parallel swap, which makes new parameters
         if ctx.on_meta:  # the stage's own layers only (PipelineModule registers no other)
@@ -261,8 +274,10 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
         groups = build_groups(topology, timeout=ctx.pg_timeout)
         loss_fn = loss_for(groups.tensor_group)
         module = apply_tp(model, groups.tensor_group) if layout.tensor > 1 else model
-        # at tensor 1 DeepSpeed's own groups are the plugin's (its data group is the world): no mpu to hand it
-        mpu = groups if layout.tensor > 1 else None
+        apply_context_parallel(module, groups, recipe.context_parallel.method)  # nothing at context 1
+        # at tensor 1 and context 1 DeepSpeed's own groups are the plugin's (its data group is the world): no mpu to
+        # hand it; a context axis reaches DeepSpeed as its sequence-parallel groups (ParallelGroups' adapter)
+        mpu = groups if layout.tensor > 1 or layout.context > 1 else None
         if mpu is None:  # DeepSpeed keeps the last engine's mpu as a module global: a second engine would read it
             from deepspeed.utils import groups as ds_groups
 
@@ -273,11 +288,21 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
     config = engine_config(recipe, ctx.env.world_size, use_ds_optimizer=choice.deepspeed_op, numels=numels)
     if layout.pipeline == 1:
         if ctx.on_meta and recipe.zero.stage == 3:  # partitioned unit by unit: one unit whole at a time
-            ctx.materialize(sink=Zero3Sink(model, config, groups.data_group, mpu, compute_dtype(recipe), device))
+            # partitioned over data x context: the sequence-data-parallel group the engine's ZeRO-3 partitions over
+            ctx.materialize(sink=Zero3Sink(model, config, groups.data_context_group, mpu, compute_dtype(recipe),
+                                           device))
         elif ctx.on_meta:
             ctx.materialize()
         if not (ctx.on_meta and recipe.zero.stage == 3):
             module.to(device)
+        if recipe.zero.stage == 3 and layout.context > 1 and not ctx.on_meta:
+            # deepspeed.initialize would partition a whole model over mpu.get_data_parallel_group() (DeepSpeed
+            # 0.19.8 zero/parameter_offload.py, _convert_to_zero_parameters), the data group alone, and reduce its
+            # gradients there: each context rank would keep its own chunks' gradient (measured: 0.45-0.76 of one
+            # process's per parameter). Partitioned here over data x context, the group the stage-3 optimizer
+            # reduces over (as Zero3Sink does under meta init), initialize converts nothing more.
+            deepspeed.zero.Init(module=module, config_dict_or_path=config,
+                                data_parallel_group=groups.data_context_group, mpu=mpu)
     # the groups decided on the whole model (ctx.decay): under meta init ZeRO-3 has partitioned every parameter by now
     if choice.deepspeed_op:
         optimizer, params = None, ctx.decay.groups(module.parameters(), recipe.optimizer.weight_decay)

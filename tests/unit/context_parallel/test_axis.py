@@ -117,15 +117,31 @@ def test_doors_name_the_context_axis(tmp_path, args, want):
     assert row["context_peers"] == [4, 6] and row["data_peers"] == [2, 6] and row["gradient_peers"] == [0, 2, 4, 6]
 
 
-def test_deepspeed_is_refused_by_name_and_auto_chooses_the_native_back_end():
+def test_deepspeed_trains_every_context_layout_with_its_own_sequence_parallel_accounting():
     from plugin.engines.choose import choose
+    from plugin.interop.deepspeed_config import to_ds_config
 
-    errors = _errors(_recipe({"data": 2, "context": 2}, launcher="deepspeed"))
-    assert 'the DeepSpeed back end does not train a context axis yet' in errors["$.launcher"]
-    assert 'set "launcher": "auto" or "torchrun"' in errors["$.launcher"]
-    auto = _recipe({"data": 2, "context": 2})
-    assert choose(auto, environ={}, has_deepspeed=True, cuda=True) == "native"
-    assert choose(_recipe({"data": 2}), environ={}, has_deepspeed=True, cuda=True) == "deepspeed"
+    pp = {"pipeline_parallel": {"schedule": "1f1b", "micro_batches": 4}}
+    for stage in (0, 1, 2, 3):
+        assert not _errors(_recipe({"data": 2, "context": 2}, launcher="deepspeed", zero={"stage": stage}))
+    assert not _errors(_recipe({"data": 1, "context": 2, "pipeline": 2}, launcher="deepspeed", **pp))
+
+    def chosen(par, **blocks):
+        return choose(_recipe(par, **blocks), environ={}, has_deepspeed=True, cuda=True)
+    assert chosen({"data": 2, "context": 2}) == "deepspeed"
+    assert chosen({"data": 2, "context": 2}, zero={"stage": 3}) == "deepspeed"
+    assert chosen({"data": 1, "context": 2, "pipeline": 2}, **pp) == "deepspeed"
+    # DeepSpeed's own sequence-parallel accounting: the batch triple counts data ranks, the degree is the context's;
+    # at ZeRO-3 the reduce-scatter path, the one that divides every bucket by data x context, is the recipe's
+    zero3 = to_ds_config(_recipe({"data": 2, "context": 2}, zero={"stage": 3}), 4)
+    assert zero3["sequence_parallel_size"] == 2 and zero3["zero_optimization"]["reduce_scatter"] is True
+    assert zero3["train_batch_size"] == zero3["train_micro_batch_size_per_gpu"] * 2 * \
+        zero3["gradient_accumulation_steps"]
+    assert "reduce_scatter" not in to_ds_config(_recipe({"data": 2, "context": 2}, zero={"stage": 2}), 4)[
+        "zero_optimization"]
+    errors = _errors(_recipe({"data": 2, "context": 2}, zero={"stage": 3},
+                             deepspeed={"zero_optimization": {"reduce_scatter": False}}))
+    assert "$.parallelism.context" in errors["$.deepspeed.zero_optimization.reduce_scatter"]
 
 
 def test_the_estimate_divides_activations_and_shards_by_context_and_counts_its_traffic():
@@ -154,7 +170,7 @@ def test_the_estimate_divides_activations_and_shards_by_context_and_counts_its_t
 
 @pytest.mark.parametrize("model, backend, said", [
     ("linear", "native", "Linear has no configure_context_parallel(ctx) and is no transformers model"),
-    ("gpt", "deepspeed", "the DeepSpeed back end does not train a context axis yet"),
+    ("linear", "deepspeed", "Linear has no configure_context_parallel(ctx) and is no transformers model"),
     ("gpt", "accelerate", "Accelerate's Accelerator takes no custom process groups"),
 ])
 def test_initialize_refuses_what_cannot_train_a_context_axis_before_any_group(monkeypatch, capsys, model, backend,
