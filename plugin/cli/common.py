@@ -1,6 +1,6 @@
 """What the commands share: argument types, problems on stderr, JSON and rich tables on stdout, exit codes.
 
-rich is imported inside :func:`print_table` only, so ``--json`` and the error paths never load it.
+rich is imported inside :func:`console` only, so ``--json`` and the error paths never load it.
 """
 from __future__ import annotations
 
@@ -51,12 +51,25 @@ def print_json(data) -> None:
     sys.stdout.write("\n")
 
 
+def console(width: int):
+    """A rich console on stdout at least ``width`` columns wide. A reader that has gone (``| head -1``) raises
+    :class:`BrokenPipeError` to ``python -m plugin``'s main, which ends with exit 0; rich's own console would exit 1
+    (its ``on_broken_pipe``)."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True  # nothing more to write: the reader has gone
+            raise BrokenPipeError("stdout closed by its reader")
+
+    return _Console(width=width)
+
+
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], *,
                 right: Sequence[str] = (), caption: str = "") -> None:
     """A rich table; columns named in ``right`` are right-aligned (numbers)."""
     import shutil
 
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
@@ -65,7 +78,7 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]
         table.add_column(name, justify="right" if name in right else "left", no_wrap=name in right)
     for row in rows:
         table.add_row(*(escape(str(cell)) for cell in row))
-    Console(width=max(100, shutil.get_terminal_size((120, 24)).columns)).print(table)
+    console(max(100, shutil.get_terminal_size((120, 24)).columns)).print(table)
 
 
 def run_command(args) -> int:

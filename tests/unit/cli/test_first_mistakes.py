@@ -1,8 +1,11 @@
 """The first mistakes a new user makes with the CLI (issue 21): each one line that says what to do, no traceback."""
 import json
 import os
+import shlex
 import subprocess
 import sys
+
+import pytest
 
 from .test_cli import cli
 
@@ -53,10 +56,45 @@ def test_a_deepspeed_config_an_accelerate_yaml_and_an_empty_file_are_said_for_wh
     assert out.returncode == 0 and cli("validate", tmp_path / "recipe.json").returncode == 0
 
 
-def test_a_closed_stdout_ends_quietly():
+# commands that print much on stdout, each as a newcomer types it ("ELASTIC": an elastic recipe written for the test)
+PLAN = ("plan", "--model", "gpt3-125m", "--gpus", "8", "--gpu-memory", "80GB")
+PRINTING = [("show", "cpu_tp2_pp2"), ("show", "cpu_tp2_pp2", "--json"), ("estimate", "cpu_tp2_pp2"),
+            ("estimate", "cpu_tp2_pp2", "--json"), PLAN, (*PLAN, "--json"), ("validate", "cpu_dp4", "cpu_tp2_pp2"),
+            ("export", "cpu_tp2_pp2", "--to", "deepspeed"), ("export", "cpu_tp2_pp2", "--to", "accelerate"),
+            ("elastic", "ELASTIC", "--nodes", "1:8", "--gpus-per-node", "8")]
+
+
+@pytest.mark.parametrize("args", PRINTING, ids=lambda a: " ".join(a[:1] + a[-1:]))
+def test_a_closed_stdout_ends_quietly(args, tmp_path):
+    elastic = tmp_path / "elastic.json"
+    elastic.write_text(json.dumps({"name": "elastic", "parallelism": {"data": "auto", "tensor": 2, "pipeline": 1},
+                                   "batch": {"global": 64, "micro": 1}}))
     read, write = os.pipe()
     os.close(read)  # the reader has gone before the first line (`| head -1` that already ended)
-    out = subprocess.run([sys.executable, "-m", "plugin", "plan", "--model", "gpt3-125m", "--gpus", "8",
-                          "--gpu-memory", "80GB"], stdout=write, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-m", "plugin", *(str(elastic) if a == "ELASTIC" else a for a in args)],
+                         stdout=write, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=60)
     os.close(write)
     assert out.returncode == 0 and out.stderr == "", out.stderr
+
+
+@pytest.mark.parametrize("command", ["show cpu_tp2_pp2", "estimate cpu_tp2_pp2",
+                                     "plan --model gpt3-125m --gpus 8 --gpu-memory 80GB"])
+def test_head_1_prints_one_line_and_exits_0(command):
+    """The README's way: a real shell pipe into head -1 (pipefail: the plugin's own exit status)."""
+    line = f"set -o pipefail; {shlex.quote(sys.executable)} -m plugin {command} | head -1"
+    out = subprocess.run(["bash", "-c", line], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0 and out.stderr == "" and out.stdout.count("\n") == 1, (out.returncode, out.stderr)
+
+
+def test_a_reader_that_leaves_after_the_first_line_of_a_long_rank_map(tmp_path):
+    """The reader goes mid-output, for certain: 512 ranks of the rank map (about 100 kB) do not fit the pipe, so rich
+    writes into a pipe whose reader has gone (rich's own console would exit 1 there)."""
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps({"name": "big", "parallelism": {"data": 256, "tensor": 2, "pipeline": 1},
+                                "batch": {"global": 256, "micro": 1}}))
+    proc = subprocess.Popen([sys.executable, "-m", "plugin", "show", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0 and err == "" and first.startswith("recipe big"), (first, err)
