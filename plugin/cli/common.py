@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 from ..errors import Problem, RecipeError
 
@@ -89,6 +90,16 @@ def run_command(args) -> int:
     except RecipeError as e:
         print_problems(e.problems)
         return EXIT_INVALID
+
+
+def cannot_read(path: str, error: OSError, expected: str) -> str:
+    """One line for a file argument that cannot be read: a directory, a missing file, or the system's reason;
+    ``expected`` names what the command reads (``"a train.py --metrics file"``)."""
+    if Path(path).is_dir():
+        return f"{path}: a directory, not {expected} -> give the file itself"
+    if not Path(path).exists():
+        return f"{path}: no such file -> check the path; give {expected}"
+    return f"{path}: cannot read: {error.strerror or error} -> check the file's permissions"
 
 
 def needs_world_size(recipe, world_size, why: str) -> bool:

@@ -1,4 +1,5 @@
 """The first mistakes a new user makes with the CLI (issue 21): each one line that says what to do, no traceback."""
+import importlib.util
 import json
 import os
 import shlex
@@ -98,3 +99,58 @@ def test_a_reader_that_leaves_after_the_first_line_of_a_long_rank_map(tmp_path):
     proc.stdout.close()
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 0 and err == "" and first.startswith("recipe big"), (first, err)
+
+
+def _one_line(out) -> str:
+    said = _said(out).strip()
+    assert said and "\n" not in said and " -> " in said, said
+    return said
+
+
+FIRST_ARGUMENT = {  # command -> the arguments after its first one (a file or a directory)
+    "validate": [], "show": [], "estimate": [], "export": ["--to", "deepspeed"],
+    "elastic": ["--nodes", "1:2", "--gpus-per-node", "4"], "plot": ["-o", "x.png"],
+    "checkpoint inspect": [], "checkpoint check": ["cpu_dp4"], "checkpoint verify": [],
+    "checkpoint export": ["-o", "x.safetensors"], "plan --model": ["--gpus", "8", "--gpu-memory", "80GB"]}
+
+
+@pytest.mark.parametrize("command", FIRST_ARGUMENT)
+def test_every_command_says_what_a_wrong_first_argument_is(command, tmp_path):
+    """A missing file, a directory, and (for the commands that take a directory) a file: one line, what and the fix,
+    exit 1 or 2, no traceback."""
+    takes_directory = command.startswith("checkpoint")
+    wrong = [tmp_path / "missing.json", tmp_path / ("a_file.json" if takes_directory else "")]
+    (tmp_path / "a_file.json").write_text("{}")
+    if command == "plot" and importlib.util.find_spec("matplotlib") is None:
+        pytest.skip("plot needs matplotlib (the monitor extra) before it reads its files")
+    for arg in wrong:
+        out = cli(*command.split(), arg, *FIRST_ARGUMENT[command])
+        said = _one_line(out)
+        assert out.returncode in (1, 2) and str(arg) in said, (command, arg, said)
+        kind = "file" if takes_directory else "directory"
+        assert (kind in said) if arg.name != "missing.json" else ("no such" in said or "does not exist" in said), said
+
+
+def test_plan_validates_a_recipe_as_validate_does(tmp_path):
+    """plan --model RECIPE.json: the same problems as validate, exit 2; a recipe with no model block is said as such."""
+    path = tmp_path / "h.json"
+    path.write_text(json.dumps(HEADS_12_AT_TP16))
+    out = cli("plan", "--model", path, *PLAN[3:])
+    assert out.returncode == 2 and _said(out) == _said(cli("validate", path)) and "Top" not in out.stdout, out.stderr
+    path.write_text(json.dumps({k: v for k, v in HEADS_12_AT_TP16.items() if k != "model"}
+                               | {"parallelism": {"data": 1, "tensor": 1, "pipeline": 1}}))
+    out = cli("plan", "--model", path, *PLAN[3:])
+    assert out.returncode == 2 and "$.model: the recipe has no model block" in _said(out), out.stderr
+    path.write_text("")
+    out = cli("plan", "--model", path, *PLAN[3:])
+    assert out.returncode == 2 and "$: the file is empty" in _one_line(out)
+    out = cli("plan", "--model", os.path.join(ROOT, "recipes", "cpu_tp2_pp2.json"), *PLAN[3:])
+    assert out.returncode == 0 and out.stderr == "" and "Top" in out.stdout, out.stderr
+    path.write_text(json.dumps(HEADS_12_AT_TP16["model"]))  # a model block alone: not a recipe, read as before
+    out = cli("plan", "--model", path, *PLAN[3:])
+    assert out.returncode == 0 and "Top" in out.stdout, out.stderr
+
+
+def test_a_recipe_given_without_a_command_is_not_a_traceback():
+    out = cli("recipes/cpu_dp4.json")
+    assert out.returncode == 1 and "Traceback" not in out.stderr and "invalid choice" in out.stderr
