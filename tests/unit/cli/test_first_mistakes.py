@@ -108,7 +108,7 @@ def _one_line(out) -> str:
 
 
 FIRST_ARGUMENT = {  # command -> the arguments after its first one (a file or a directory)
-    "validate": [], "show": [], "estimate": [], "export": ["--to", "deepspeed"],
+    "validate": [], "show": [], "estimate": [], "export": ["--to", "deepspeed"], "import": [],
     "elastic": ["--nodes", "1:2", "--gpus-per-node", "4"], "plot": ["-o", "x.png"],
     "checkpoint inspect": [], "checkpoint check": ["cpu_dp4"], "checkpoint verify": [],
     "checkpoint export": ["-o", "x.safetensors"], "plan --model": ["--gpus", "8", "--gpu-memory", "80GB"]}
