@@ -151,6 +151,10 @@ def test_plan_validates_a_recipe_as_validate_does(tmp_path):
     assert out.returncode == 0 and "Top" in out.stdout, out.stderr
 
 
-def test_a_recipe_given_without_a_command_is_not_a_traceback():
+def test_a_recipe_given_without_a_command_names_one_to_run():
     out = cli("recipes/cpu_dp4.json")
-    assert out.returncode == 1 and "Traceback" not in out.stderr and "invalid choice" in out.stderr
+    assert out.returncode == 1 and _one_line(out) == ("python -m plugin: 'recipes/cpu_dp4.json' is not a command -> "
+                                                      "name one first: python -m plugin validate recipes/cpu_dp4.json "
+                                                      "(or show, estimate, export, import; --help lists them all)")
+    out = cli("valdate", "cpu_dp4")  # a misspelt command: argparse's own "invalid choice", with the list
+    assert out.returncode == 1 and "invalid choice: 'valdate'" in out.stderr and "Traceback" not in out.stderr
