@@ -68,6 +68,8 @@ def resolve(directory: str | Path) -> Path:
     """The step directory to read: ``directory`` itself when it holds a manifest, else the highest complete step
     under it. Raises :class:`PluginError` listing what was found when there is none."""
     root = Path(directory)
+    if root.is_file():
+        raise PluginError(f"{root}: a file, not a checkpoint directory -> give the directory passed to --save")
     if (root / MANIFEST).exists():
         if not is_complete(root):
             raise PluginError(f"{root}: the checkpoint is incomplete (its manifest does not say complete, or "

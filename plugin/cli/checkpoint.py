@@ -167,6 +167,8 @@ def run_verify(args) -> int:
 
 
 def run_export(args) -> int:
+    if _open(args.directory) is None:  # said at once, before a child that imports torch
+        return EXIT_INVALID
     cmd = [sys.executable, "-m", "plugin.checkpoint.export", args.directory, "-o", args.out]
     if args.dtype:
         cmd += ["--dtype", args.dtype]

@@ -1,6 +1,6 @@
 """What the commands share: argument types, problems on stderr, JSON and rich tables on stdout, exit codes.
 
-rich is imported inside :func:`print_table` only, so ``--json`` and the error paths never load it.
+rich is imported inside :func:`console` only, so ``--json`` and the error paths never load it.
 """
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 from ..errors import Problem, RecipeError
 
@@ -51,12 +52,25 @@ def print_json(data) -> None:
     sys.stdout.write("\n")
 
 
+def console(width: int):
+    """A rich console on stdout at least ``width`` columns wide. A reader that has gone (``| head -1``) raises
+    :class:`BrokenPipeError` to ``python -m plugin``'s main, which ends with exit 0; rich's own console would exit 1
+    (its ``on_broken_pipe``)."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True  # nothing more to write: the reader has gone
+            raise BrokenPipeError("stdout closed by its reader")
+
+    return _Console(width=width)
+
+
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], *,
                 right: Sequence[str] = (), caption: str = "") -> None:
     """A rich table; columns named in ``right`` are right-aligned (numbers)."""
     import shutil
 
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
@@ -65,7 +79,7 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]
         table.add_column(name, justify="right" if name in right else "left", no_wrap=name in right)
     for row in rows:
         table.add_row(*(escape(str(cell)) for cell in row))
-    Console(width=max(100, shutil.get_terminal_size((120, 24)).columns)).print(table)
+    console(max(100, shutil.get_terminal_size((120, 24)).columns)).print(table)
 
 
 def run_command(args) -> int:
@@ -76,6 +90,16 @@ def run_command(args) -> int:
     except RecipeError as e:
         print_problems(e.problems)
         return EXIT_INVALID
+
+
+def cannot_read(path: str, error: OSError, expected: str) -> str:
+    """One line for a file argument that cannot be read: a directory, a missing file, or the system's reason;
+    ``expected`` names what the command reads (``"a train.py --metrics file"``)."""
+    if Path(path).is_dir():
+        return f"{path}: a directory, not {expected} -> give the file itself"
+    if not Path(path).exists():
+        return f"{path}: no such file -> check the path; give {expected}"
+    return f"{path}: cannot read: {error.strerror or error} -> check the file's permissions"
 
 
 def needs_world_size(recipe, world_size, why: str) -> bool:

@@ -35,6 +35,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     first = argv[0] if argv else None
+    if first and not first.startswith("-") and first not in {c.rstrip("_") for c in COMMANDS} and \
+            (first.endswith((".json", ".yaml", ".yml")) or os.path.exists(first)):
+        print(f"python -m plugin: {first!r} is not a command -> name one first: python -m plugin validate {first} "
+              "(or show, estimate, export, import; --help lists them all)", file=sys.stderr)
+        return 1
     parser = build_parser(first if first in {c.rstrip("_") for c in COMMANDS} else None)
     try:
         args = parser.parse_args(argv)

@@ -19,11 +19,12 @@ import json
 import sys
 from pathlib import Path
 
-from ..errors import RecipeError
+from ..errors import Problem, RecipeError
 from ..planning.units import fmt_gb, fmt_seconds
-from .common import positive_int, print_json, print_problems, print_table, size
+from .common import load_or_report, positive_int, print_json, print_problems, print_table, size
 
 NOTHING_FITS = 3
+MODEL_OR_RECIPE = frozenset({"model", "parallelism", "batch"})  # keys a recipe has and a model block has not
 
 
 def register(subparsers) -> None:
@@ -64,6 +65,9 @@ def run(args) -> int:
     from ..planning.presets import resolve_model
     from ..planning.search import plan
 
+    code = _check_model_file(args.model)
+    if code:
+        return code
     try:
         spec = resolve_model(args.model)
     except RecipeError as e:
@@ -98,6 +102,37 @@ def run(args) -> int:
         if args.write:
             print(f"nothing written to {args.write}: no layout fits", file=sys.stderr)
         return NOTHING_FITS
+    return 0
+
+
+def _check_model_file(ref: str) -> int:
+    """``--model`` given as a recipe (or as a file that is no model block: empty, a DeepSpeed config, an Accelerate
+    YAML) is validated as ``validate`` does it, its problems printed: 2 when it is invalid or has no model block; a
+    directory is a usage error (1). 0 for a preset name, a missing file or a model block: :func:`resolve_model` reads
+    those."""
+    from ..recipe.jsontext import parse_json
+
+    path = Path(ref)
+    if path.is_dir():
+        print_problems([Problem("--model", f"{ref!r} is a directory", "give a preset name, a model block (JSON) or a "
+                                "recipe with one (a file)")])
+        return 1
+    if not path.is_file():
+        return 0
+    try:
+        data, _ = parse_json(path.read_text(encoding="utf-8"), ref)
+    except (OSError, UnicodeDecodeError):
+        data = None  # load_or_report says why
+    if isinstance(data, dict) and {"layers", "hidden"} & data.keys() and not MODEL_OR_RECIPE & data.keys():
+        return 0  # a model block
+    recipe = load_or_report(ref, None)
+    if recipe is None:
+        return 2
+    if recipe.model is None:
+        print_problems([Problem("$.model", "the recipe has no model block: plan needs the model's dimensions",
+                                "add a model block (layers, hidden, heads, vocab, seq_len), or give --model a preset",
+                                file=ref)])
+        return 2
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import EXIT_INVALID, EXIT_OK, EXIT_USAGE
+from .common import EXIT_INVALID, EXIT_OK, EXIT_USAGE, cannot_read
 
 
 def register(sub) -> None:
@@ -30,7 +30,7 @@ def run(args) -> int:
         try:
             records = read_metrics(path)
         except OSError as e:
-            print(f"{path}: cannot read: {e}", file=sys.stderr)
+            print(cannot_read(path, e, "a train.py --metrics file (JSON lines)"), file=sys.stderr)
             return EXIT_USAGE
         except json.JSONDecodeError as e:
             print(f"{path}: line {e.lineno}: not a JSON line ({e.msg}) -> pass train.py --metrics files",

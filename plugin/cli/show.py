@@ -106,17 +106,18 @@ def _peers(ranks) -> str:
 
 
 def _render(resolved: dict, rows: list[dict], gpus_per_node) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=max(100, int(os.environ.get("COLUMNS", 0) or 0)))
+    from .common import console
+
+    out = console(max(100, int(os.environ.get("COLUMNS", 0) or 0)))
     summary = Table(title=f"recipe {resolved['name']}", show_header=False, title_justify="left")
     summary.add_column("field", style="bold")
     summary.add_column("value")
     for key, value in resolved.items():
         if value is not None and value != "":
             summary.add_row(key, str(value))
-    console.print(summary)
+    out.print(summary)
     context = "context" in rows[0]
     title = ("rank map: rank = ((pp x data_size + dp) x context_size + cp) x tensor_size + tp (tensor fastest, then "
              "context, then data, then pipeline; gradients reduced over data x context)" if context else
@@ -132,4 +133,4 @@ def _render(resolved: dict, rows: list[dict], gpus_per_node) -> None:
             str(r["rank"]), *(str(r[c]) for c in coords), *(_peers(r[f"{p}_peers"]) for p in peers)]
         last_of_node = gpus_per_node and (i + 1 == len(rows) or rows[i + 1]["node"] != r["node"])
         table.add_row(*cells, end_section=bool(last_of_node))
-    console.print(table)
+    out.print(table)

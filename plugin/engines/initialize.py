@@ -265,6 +265,9 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
         raise
     if env.is_main:  # here, not in each back end: every back end passes this line
         print(f"{recipe.source or recipe.name}: {startup_line(engine)}", file=sys.stderr, flush=True)
+    from ..monitor.excepthook import install as install_excepthook
+
+    install_excepthook()  # a PluginError raised in the user's loop: its message once per rank, no traceback
     return engine
 
 

@@ -1,14 +1,25 @@
 """Recipe -> an ``accelerate launch --config_file`` YAML (:func:`to_accelerate_config`). Pure: no accelerate import.
 
-The YAML is written by hand (a few scalar types, nested maps): Accelerate reads it with PyYAML, which the
-plugin does not need otherwise.
+The YAML is written by hand (a few scalar types, nested maps): Accelerate reads it with PyYAML, which the plugin
+does not need otherwise. An Accelerate config cannot say pipeline stages, the batch size, the ZeRO stage of a plain
+launch, or tensor and context degrees (outside its ``parallelism_config``, which the plugin does not write): a comment
+line, ``# recipe: ...`` (:data:`RECIPE_LINE`), says them, and ``python -m plugin import`` reads it back
+(:mod:`.accelerate_import`).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from .precision import PRECISIONS
+
+# the export's comment line that carries what the YAML cannot say (see _recipe_line)
+RECIPE_LINE = re.compile(r"^# recipe: data (?P<data>\d+) x tensor (?P<tensor>\d+) x pipeline (?P<pipeline>\d+)"
+                         r"(?: x context (?P<context>\d+) \((?P<method>ring|all_to_all)\))?, batch (?P<global>\d+) = "
+                         r"micro (?P<micro>\d+) x grad_accum (?P<grad_accum>\d+) x data \d+, ZeRO-(?P<zero>\d)"
+                         r"(?: offload optimizer (?P<offload_optimizer>\w+) param (?P<offload_param>\w+))?, "
+                         r"clipping (?P<clip>[0-9.e+-]+)", re.M)
 
 
 def _yaml_scalar(value) -> str:
@@ -68,7 +79,8 @@ def to_accelerate_config(recipe, world_size: int | None = None, *, cpu: bool = F
     cfg.update({"machine_rank": 0, "main_training_function": "main", "mixed_precision": mixed,
                 "num_machines": nodes, "num_processes": layout.world_size, "rdzv_backend": "static",
                 "same_network": True, "use_cpu": cpu})
-    header = [f"# accelerate config for recipe {recipe.name!r} ({layout.world_size} processes)"]
+    header = [f"# accelerate config for recipe {recipe.name!r} ({layout.world_size} processes)", _recipe_line(recipe,
+                                                                                                          layout)]
     if layout.context > 1:
         header.append("# context parallelism: accelerate launches, the plugin's native back end trains; Accelerate's "
                       "own parallelism_config (cp_size: torch's context_parallel under FSDP2 on CUDA; sp_size: "
@@ -86,3 +98,17 @@ def to_accelerate_config(recipe, world_size: int | None = None, *, cpu: bool = F
                       "Accelerate's DeepSpeed plugin where deepspeed and transformers are installed, else the "
                       "plugin's native back end")
     return "\n".join(header + _yaml(cfg)) + "\n"
+
+
+def _recipe_line(recipe, layout) -> str:
+    """``# recipe: data 2 x tensor 1 x pipeline 1 x context 2 (ring), batch 16 = micro 4 x grad_accum 2 x data 2,
+    ZeRO-1, clipping 1.0`` (after the stage `` offload optimizer cpu param none`` when it offloads): what the YAML
+    cannot say, read back by :func:`from_accelerate_config`."""
+    lay, z = layout, recipe.zero
+    context = f" x context {lay.context} ({recipe.context_parallel.method})" if lay.context > 1 else ""
+    offload = (f" offload optimizer {z.offload_optimizer} param {z.offload_param}"
+               if (z.offload_optimizer, z.offload_param) != ("none", "none") else "")
+    return (f"# recipe: data {lay.data} x tensor {lay.tensor} x pipeline {lay.pipeline}{context}, batch "
+            f"{lay.global_batch} = micro {lay.micro_batch} x grad_accum {lay.grad_accum} x data {lay.data}, "
+            f"ZeRO-{z.stage}{offload}, clipping {float(recipe.gradient_clipping)!r} (python -m plugin import reads "
+            "this line back)")

@@ -36,8 +36,14 @@ def find_recipe(ref: str | Path) -> Path:
         close = difflib.get_close_matches(name[:-5], stems, n=3, cutoff=0.7)
         hint = f"did you mean {' or '.join(close)}?" if close else \
             f"give a path, or one of the shipped recipes: {', '.join(stems)}"
-        raise RecipeError([Problem("$", f"no recipe file {str(ref)!r} and no shipped recipe of that name", hint,
-                                   file=str(ref))])
+        if not path.is_dir():
+            raise RecipeError([Problem("$", f"no recipe file {str(ref)!r} and no shipped recipe of that name", hint,
+                                       file=str(ref))])
+    if path.is_dir():
+        inside = sorted(path.glob("*.json"))
+        hint = (f"give a recipe file, e.g. {inside[0]} (one of {len(inside)} .json files there)" if inside else
+                "give a recipe file (JSON)")
+        raise RecipeError([Problem("$", f"{str(ref)!r} is a directory, not a recipe file", hint, file=str(ref))])
     raise RecipeError([Problem("$", f"recipe file {str(ref)!r} does not exist", "check the path", file=str(ref))])
 
 
