@@ -231,8 +231,10 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
     # device this engine runs on, so the two agree (on CPU it also spares DeepSpeed's detection warning). A value the
     # user exported wins.
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
-    # DeepSpeed 0.19 still calls torch's deprecated all_gather_into_tensor: one warning per rank, nothing to act on
-    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning)
+    # DeepSpeed 0.19 still calls torch's deprecated all_gather_into_tensor and reduce_scatter_tensor (ZeRO-3): one
+    # warning per rank, nothing to act on
+    warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor). is deprecated",
+                            category=FutureWarning)
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False,
