@@ -209,8 +209,56 @@ def test_rank_map_svg_has_a_cell_per_rank_and_panel(tmp_path):
     tips = [c.find("{http://www.w3.org/2000/svg}title").text for c in cells]
     assert "rank 5: pipeline 1, data 0, tensor 1" in tips
     assert svg.count('stroke="#222"') == 4  # four tensor groups, each inside its node
-    crossing = rank_map_svg(Topology(dp_size=2, tp_size=8), gpus_per_node=4)
-    assert crossing.count('stroke-dasharray="5,3"') == 4  # two tensor groups of 8 over nodes of 4: two pieces each
+
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def _outlines(svg: str) -> dict[str, list[tuple[float, float, float, float]]]:
+    """Each group outline's title and the (left, top, right, bottom) box of each of its loops."""
+    out = {}
+    for path in ET.fromstring(svg).iter(f"{SVG}path"):
+        loops = []
+        for loop in path.get("d").split("M")[1:]:
+            points = [tuple(map(float, p.split(","))) for p in re.findall(r"[-\d.]+,[-\d.]+", loop)]
+            xs, ys = [x for x, _ in points], [y for _, y in points]
+            loops.append((min(xs), min(ys), max(xs), max(ys)))
+        out[path.find(f"{SVG}title").text] = loops
+    return out
+
+
+def _inside(cells: list, boxes: list) -> list[int]:
+    """The ranks (cell titles "rank N: ...") whose cell centre lies in one of ``boxes``."""
+    out = []
+    for c in cells:
+        x, y, w = float(c.get("x")), float(c.get("y")), float(c.get("width"))
+        if any(left < x + w / 2 < right and top < y + w / 2 < bottom for left, top, right, bottom in boxes):
+            out.append(int(c.find(f"{SVG}title").text.split()[1].rstrip(":")))
+    return out
+
+
+@pytest.mark.parametrize("topology, per_node, loops", [
+    (Topology(dp_size=2, tp_size=8), 4, {0: 1, 1: 1}),  # each group two whole nodes: one box over two rows
+    (Topology(dp_size=2, tp_size=6, pp_size=2), 8, {0: 1, 1: 2, 2: 2, 3: 1}),  # groups 1 and 2 wrap to the next node
+])
+def test_a_tensor_group_across_nodes_is_one_outline(topology, per_node, loops):
+    """One outline per group, around exactly its ranks, whatever nodes it covers (it was drawn as one box per node,
+    so that tensor 8 over nodes of 4 looked like tensor 4); red and dashed where it crosses nodes."""
+    svg = rank_map_svg(topology, gpus_per_node=per_node)
+    outlines = _outlines(svg)
+    tensor = topology.tp_size
+    assert len(outlines) == topology.world_size // tensor
+    cells = _cells(svg)[:topology.world_size]  # the tensor panel's
+    paths = list(ET.fromstring(svg).iter(f"{SVG}path"))
+    for g in range(topology.world_size // tensor):
+        ranks = list(range(g * tensor, (g + 1) * tensor))
+        nodes = sorted({r // per_node for r in ranks})
+        where = f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {nodes[0]}-{nodes[-1]}"
+        title = f"tensor group {g}: ranks {ranks[0]}-{ranks[-1]} ({where})"
+        assert len(outlines[title]) == loops[g] and _inside(cells, outlines[title]) == ranks
+        crossing = len(nodes) > 1
+        assert (paths[g].get("stroke"), paths[g].get("stroke-dasharray")) == \
+            (("#d62728", "5,3") if crossing else ("#222", None))
 
 
 def test_rank_map_aggregates_above_1024_ranks():
@@ -282,3 +330,31 @@ def test_rank_map_header_names_the_layout_slowest_first(topology, header):
     tensor 2", against the panels' and the rank order's tensor-first nesting)."""
     svg = rank_map_svg(topology, gpus_per_node=8)
     assert header in [t for t, _, _ in _text_extents(svg)]
+
+
+def _hue(fill: str) -> float:
+    import colorsys
+
+    r, g, b = (int(fill[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    return colorsys.rgb_to_hls(r, g, b)[0] * 360
+
+
+@pytest.mark.parametrize("topology", [Topology(pp_size=2, dp_size=2, tp_size=2), FourAxes(),
+                                      Topology(pp_size=2, dp_size=16, tp_size=4)])
+def test_each_panel_has_its_own_colour_family(topology):
+    """Every panel's cells and legend are shades of one hue, and no two panels' hues come near each other (one palette
+    for all once made tensor rank 0, data replica 0 and pipeline stage 0 the same blue)."""
+    svg = rank_map_svg(topology, gpus_per_node=8)
+    cells = _cells(svg)
+    world = topology.world_size
+    panels = [[c.get("fill") for c in cells[k:k + world]] for k in range(0, len(cells), world)]
+    assert len(panels) == sum(a.size > 1 for a in axes_of(topology))
+    legends = [r.get("fill") for r in ET.fromstring(svg).iter(f"{SVG}rect")
+               if r.get("width") == "12" and r.get("fill", "").startswith("#")]
+    assert set(legends) == {f for panel in panels for f in panel}  # the key shows the cells' colours
+    hues = [[_hue(f) for f in set(panel)] for panel in panels]
+    for k, mine in enumerate(hues):
+        assert max(mine) - min(mine) <= 36, (k, mine)  # one family (no family wraps around 0 degrees)
+        for other in hues[k + 1:]:
+            gap = min(min(abs(a - b), 360 - abs(a - b)) for a in mine for b in other)
+            assert gap >= 5, (k, mine, other)
