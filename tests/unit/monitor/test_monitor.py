@@ -42,10 +42,10 @@ def test_the_record_and_mfu_are_the_planners():
 
 
 def test_the_console_line_and_when_it_is_printed():
-    line = step_line(_report(mfu=0.412), total=50, elapsed=65, eta=3725)
-    assert line == ("step 3/50  loss 3.2500  lr 3.00e-04  grad 0.75  2,048 tok/s  MFU 41.2%  mem 1.50 GB  0:01:05  "
+    line = step_line(_report(mfu=0.412), total=50, elapsed=65, eta=3725, width=200)
+    assert line == ("step 3/50  loss 3.2500  lr 3.00e-4  grad 0.75  2.05k tok/s  MFU 41.2%  mem 1.50 GB  1:05  "
                     "ETA 1:02:05")
-    assert "MFU -" in step_line(_report(), 50, 0, None) and "ETA -" in step_line(_report(), 50, 0, None)
+    assert "MFU -" in step_line(_report(), 50, 0, None, 200) and "ETA -" in step_line(_report(), 50, 0, None, 200)
     out = io.StringIO()  # not a terminal: a line every log_every steps and the last one, evaluations after theirs
     console = Console(total=7, start=0, log_every=3, stream=out)
     for s in range(1, 8):
@@ -53,9 +53,59 @@ def test_the_console_line_and_when_it_is_printed():
     console.close()
     steps = [line.split()[1] for line in out.getvalue().splitlines() if line.startswith("step ")]
     assert steps == ["3/7", "6/7", "7/7"] and "eval at step 4: loss 2.5000" in out.getvalue()
+    assert max(len(line) for line in out.getvalue().splitlines()) <= 80  # a plain line too (| tee in a terminal)
     quiet = io.StringIO()
     Console(total=7, start=0, enabled=False, stream=quiet).write(_report())
     assert quiet.getvalue() == ""
+
+
+@pytest.mark.parametrize("report, total, elapsed, eta, kept", [
+    # the README's run: at 80 columns the unknown MFU, the elapsed time and the learning rate go
+    (_report(step=20, loss=3.0395, lr=1.95e-3, grad_norm=2.99, tokens_per_s=21_080, memory_gb=0.39), 40, 1, 1,
+     "step 20/40  loss 3.0395  grad 2.99  21.1k tok/s  mem 0.39 GB  ETA 0:01"),
+    # a GPU run of half a million steps: the MFU is known and stays; the elapsed time, the lr and the memory go
+    (_report(step=123_456, loss=2.4512, lr=2.95e-4, grad_norm=0.312, tokens_per_s=1_234_567, memory_gb=61.2,
+             mfu=0.412), 500_000, 3 * 86400 + 5, 9 * 86400,
+     "step 123456/500000  loss 2.4512  grad 0.312  1.23M tok/s  MFU 41.2%  ETA 9d00h"),
+    # everything at its longest: the step, the loss and the ETA always stay
+    (_report(step=12_345_678, loss=123_456.789, lr=0.1234, grad_norm=1e30, tokens_per_s=9.99e15, memory_gb=12_345.6,
+             mfu=1.5), 99_999_999, 1e9, 1e10,
+     "step 12345678/99999999  loss 1.2346e5  9990T tok/s  MFU 150.0%  ETA 115740d17h"),
+    (_report(loss=float("nan"), lr=None, grad_norm=float("inf"), memory_gb=None, tokens_per_s=0.0), 10**9, 0, None,
+     "step 3/1000000000  loss nan  grad inf  0 tok/s  ETA -"),
+])
+def test_the_console_line_fits_80_columns(report, total, elapsed, eta, kept):
+    """Every line fits 80 columns: numbers written short, then the fields least needed go, always in one order, the
+    order of the line kept (the README's line was 97 characters)."""
+    line = step_line(report, total, elapsed, eta)
+    assert len(line) <= 80 and line == kept
+    from plugin.monitor.console import step_fields
+
+    every = [text for _, text in step_fields(report, total, elapsed, eta)]
+    assert step_line(report, total, elapsed, eta, width=1000) == "  ".join(every)  # a wide terminal: every field
+    assert line.split("  ") == [text for text in every if text in line.split("  ")]
+
+
+def test_a_run_keeps_its_fields_from_step_to_step():
+    """Fields are counted at the width their numbers usually grow to: a line does not gain or lose a field when the
+    gradient norm goes from 2.99 to 0.816, the throughput from 845 to 21.1k, or the step from 9 to 10."""
+    shapes = set()
+    steps = [(1, 2.99, 845, None), (9, 0.816, 21_080, 100), (10, 12.3, 1.62e3, 1), (40, 0.5, 5e4, 0)]
+    for step, grad, speed, eta in steps:
+        line = step_line(_report(step=step, grad_norm=grad, tokens_per_s=speed), 40, step, eta)
+        shapes.add(tuple(re.sub(r"[-\d.:]+[kMG]?", "N", line).split("  ")))
+    assert shapes == {("step N/N", "loss N", "grad N", "N tok/s", "mem N GB", "ETA N")}
+
+
+def test_numbers_written_short():
+    from plugin.monitor.console import _clock, _number, _throughput
+
+    assert [_throughput(v) for v in (0, 845, 999.4, 999.6, 21_080, 211_000, 999_960, 1.23e6, 5e15)] == \
+        ["0", "845", "999", "1.00k", "21.1k", "211k", "1.00M", "1.23M", "5000T"]
+    assert [_number(v) for v in (0, 2.99, 0.312, 123.4, 999.6, 12_345.6, 3e-5, float("inf"))] == \
+        ["0", "2.99", "0.312", "123", "1.0e3", "1.2e4", "3.0e-5", "inf"]
+    assert [_clock(v) for v in (0, 65, 3725, 86_399, 3 * 86_400 + 4 * 3600)] == \
+        ["0:00", "1:05", "1:02:05", "23:59:59", "3d04h"]
 
 
 def test_the_live_line_on_a_terminal():
@@ -67,6 +117,31 @@ def test_the_live_line_on_a_terminal():
     text = out.getvalue()
     assert "step 3/3" in text and "eval at step 2: loss 2.0000" in text
     assert text.count("eval at step 2") == 1  # printed once, above the line, which is redrawn in place
+
+
+@pytest.mark.parametrize("columns", [60, 80, 132])
+def test_the_live_line_fits_its_terminal(columns):
+    """On a terminal (a pseudo-terminal of ``columns``) the live line is as wide as the terminal allows; a plain line
+    keeps to 80 whatever the terminal."""
+    import fcntl
+    import os
+    import struct
+    import termios
+
+    leader, follower = os.openpty()
+    try:
+        fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+        with open(follower, "w", closefd=False) as tty:
+            live = Console(total=500_000, start=0, stream=tty)
+            live.write(_report(step=1))
+            assert live.live_line and live.width == live._live.console.width == columns
+            live.close()
+            assert Console(total=500_000, start=0, stream=tty, live=False).width == 80
+    finally:
+        os.close(leader)
+        os.close(follower)
+    line = step_line(_report(step=123_456, mfu=0.41), 500_000, 3725, 9e5, width=columns)
+    assert len(line) <= columns and ("mem 1.50 GB" in line) == (columns >= 132)
 
 
 def test_metrics_file_writes_the_issues_keys(tmp_path):
