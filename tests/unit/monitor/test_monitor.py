@@ -249,19 +249,39 @@ def test_tensorboard_missing_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == tensorboard.missing()
 
 
-def test_plot_draws_runs_overlaid(tmp_path, capsys):
+def test_plot_draws_runs_overlaid(tmp_path, capsys, monkeypatch):
+    """The picture ``plot`` saves holds each run's loss, eval loss and lr lines, with the files' values (a PNG alone
+    would pass with the lr or the eval line missing): the figure it saves is read back, the real drawing code run."""
     pytest.importorskip("matplotlib")
     from plugin.cli.main import main
+    from plugin.monitor import plot
 
+    lrs = [1e-3 * min(1, s / 2) for s in range(1, 6)]
+    losses = {}
     for name, scale in (("single", 1.0), ("tp2", 1.001)):
+        losses[name] = [4 - s * scale / 4 for s in range(1, 6)]
         with open(tmp_path / f"{name}.jsonl", "w") as f:
             for s in range(1, 6):
-                record = {**_report(step=s, loss=4 - s * scale / 4, lr=1e-3 * min(1, s / 2)).to_json(),
-                          **({"eval_loss": 3.5} if s == 5 else {})}
+                record = {**_report(step=s, loss=losses[name][s - 1], lr=lrs[s - 1]).to_json(),
+                          **({"eval_loss": 3.5 - (name == "tp2") * 0.25} if s in (3, 5) else {})}
                 f.write(json.dumps(record) + "\n")
+    figures = []
+    draw = plot.draw_runs
+    monkeypatch.setattr(plot, "draw_runs", lambda *a, **k: figures.append(draw(*a, **k)) or figures[-1])
     out = tmp_path / "plot.png"
     assert main(["plot", str(tmp_path / "single.jsonl"), str(tmp_path / "tp2.jsonl"), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    top, bottom = figures[0].axes
+
+    def lines(axes):
+        return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in axes.get_lines()}
+
+    assert lines(top) == {"single: loss": ([1, 2, 3, 4, 5], losses["single"]),
+                          "single: eval loss": ([3, 5], [3.5, 3.5]),
+                          "tp2: loss": ([1, 2, 3, 4, 5], losses["tp2"]), "tp2: eval loss": ([3, 5], [3.25, 3.25])}
+    assert lines(bottom) == {"single": ([1, 2, 3, 4, 5], lrs), "tp2": ([1, 2, 3, 4, 5], lrs)}
+    assert [t.get_text() for t in top.get_legend().get_texts()] == list(lines(top))
+    assert (top.get_ylabel(), bottom.get_ylabel(), bottom.get_xlabel()) == ("loss", "learning rate", "step")
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     assert main(["plot", str(tmp_path / "bad.jsonl"), "-o", str(out)]) == 2
     assert "bad.jsonl: line 1: not a JSON line" in capsys.readouterr().err
