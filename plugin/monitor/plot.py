@@ -19,6 +19,18 @@ def missing() -> str | None:
 
 def plot_runs(runs: dict[str, list[dict]], output: str, title: str = "") -> None:
     """Draw ``{label: records}`` into ``output`` (PNG, or any format matplotlib infers from the suffix)."""
+    import matplotlib.pyplot as plt
+
+    fig = draw_runs(runs, title)
+    try:
+        fig.savefig(output, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+def draw_runs(runs: dict[str, list[dict]], title: str = ""):
+    """The figure of ``{label: records}`` (what :func:`plot_runs` saves): loss and eval loss on the top axes (lines
+    labelled ``LABEL: loss`` and ``LABEL: eval loss``), the learning rate on the bottom ones (labelled ``LABEL``)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
@@ -47,8 +59,7 @@ def plot_runs(runs: dict[str, list[dict]], output: str, title: str = "") -> None
     bottom.set_xlabel("step")
     bottom.grid(alpha=0.3)
     bottom.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-    fig.savefig(output, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def labels_for(paths: list[str]) -> list[str]:

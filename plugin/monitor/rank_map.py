@@ -3,10 +3,12 @@ shard, pipeline stage and data replica. Pure: the SVG is written here, no torch,
 
 One panel per parallel axis of size > 1 (tensor, then any further axis such as context, then data, then pipeline: the
 rank order, fastest first), each the same grid of nodes (rows) x GPUs (cells), each cell coloured by the rank's
-coordinate on that axis. Where an axis's groups are runs of consecutive ranks (tensor groups; a further axis when
-every faster one has size 1) each group is outlined, in red and dashed where it crosses a node boundary. Axes are
-read from the topology generically (:func:`axes_of`): every ``Coord`` field with a ``<field>_size``, ordered by its
-stride in the rank, so an axis added to the topology appears without a change here.
+coordinate on that axis, each panel in its own colour family (tensor blues, context purples, data greens, pipeline
+oranges: shades of one hue, so that t0 is never mistaken for d0). Where an axis's groups are runs of consecutive
+ranks (tensor groups; a further axis when every faster one has size 1) each group is outlined by one line around all
+its cells, in red and dashed where it crosses a node boundary (a group over two nodes is one box over two rows).
+Axes are read from the topology generically (:func:`axes_of`): every ``Coord`` field with a ``<field>_size``, ordered
+by its stride in the rank, so an axis added to the topology appears without a change here.
 
 Up to 64 ranks each cell shows its rank and coordinate; up to 1024 the cells shrink (ranks on hover, as SVG titles);
 above 1024, each cell is a block of whole nodes (a block holding several coordinates of an axis is grey there).
@@ -20,8 +22,11 @@ from html import escape
 AXIS_NAMES = {"tp": "tensor", "cp": "context", "ep": "expert", "dp": "data", "pp": "pipeline"}
 AXIS_WORDS = {"tensor": "tensor rank", "context": "context rank", "expert": "expert rank", "data": "data replica",
               "pipeline": "pipeline stage"}
-PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
-           "#86bcb6"]
+# each panel's colour family, by the axis's recipe word: a hue (degrees) its shades keep within TURN of; the hues lie
+# at least 45 degrees apart, so that no two families share a colour
+FAMILIES = {"tensor": 215, "context": 270, "expert": 170, "data": 125, "pipeline": 25}
+SPARE_HUES = (325, 70)  # an axis without a family of its own (a later one): the first hue no panel uses
+TURN = 18
 MIXED = "#d9d9d9"
 MAX_CELLS = 1024
 
@@ -51,12 +56,37 @@ def axes_of(topology) -> list[Axis]:
     return sorted(out, key=lambda a: (a.stride if a.size > 1 else 1 << 60, fields.index(a.field)))
 
 
-def colour(index: int, size: int) -> str:
-    """A distinct colour per coordinate: a 10-colour palette, hues around the circle beyond that."""
-    if size <= len(PALETTE):
-        return PALETTE[index % len(PALETTE)]
-    r, g, b = colorsys.hls_to_rgb(index / size, 0.48 if index % 2 else 0.64, 0.62)
+def family_hue(axis: Axis, axes: list[Axis]) -> int:
+    """The hue of ``axis``'s colour family: its own (:data:`FAMILIES`), else the first spare hue no other axis of
+    ``axes`` holds."""
+    if axis.name in FAMILIES:
+        return FAMILIES[axis.name]
+    taken = {FAMILIES.get(a.name) for a in axes}
+    unnamed = [a.name for a in axes if a.name not in FAMILIES]
+    free = [h for h in SPARE_HUES if h not in taken]
+    return free[unnamed.index(axis.name) % len(free)]
+
+
+def _shade(index: int, size: int) -> tuple[float, float]:
+    """(hue offset in degrees, lightness) of coordinate ``index`` of ``size``: up to 8 a ramp from dark to light with a
+    small turn of hue; beyond that four lightness levels in turn, so that neighbours differ, over the whole turn."""
+    t = index / max(1, size - 1)
+    if size <= 8:
+        return TURN * (t - 0.5), 0.30 + 0.50 * t
+    return TURN * (2 * t - 1), (0.32, 0.70, 0.48, 0.84)[index % 4]
+
+
+def colour(index: int, size: int, hue: int) -> str:
+    """Coordinate ``index`` of an axis of ``size``, a shade of the family ``hue`` (degrees): every shade stays within
+    :data:`TURN` degrees of it, so two families never share a colour."""
+    turn, lightness = _shade(index, size)
+    r, g, b = colorsys.hls_to_rgb(((hue + turn) % 360) / 360, lightness, 0.62)
     return f"#{round(r * 255):02x}{round(g * 255):02x}{round(b * 255):02x}"
+
+
+def ink(index: int, size: int) -> str:
+    """The text colour on that shade: white on the dark ones."""
+    return "#ffffff" if _shade(index, size)[1] < 0.5 else "#111111"
 
 
 def _text_w(text: str, size: float, bold: bool = False) -> float:
@@ -197,6 +227,7 @@ def _panel(topology, axis: Axis, axes: list[Axis], grid: _Grid, x0: int, y0: int
     out = [f'<text x="{x0}" y="{y0 + 14}" font-size="13" font-weight="bold">{escape(heading)}</text>',
            f'<text x="{note_x}" y="{y0 + 14}" font-size="11" fill="#555">{escape(note)}</text>']
     gx, gy = x0, y0 + 24
+    hue = family_hue(axis, axes)
     for row in range(grid.rows):
         first = row * grid.cols * grid.block
         x, y = grid.row_origin(row)
@@ -211,7 +242,9 @@ def _panel(topology, axis: Axis, axes: list[Axis], grid: _Grid, x0: int, y0: int
         x, y = grid.place(start)
         x, y = gx + x, gy + y
         values = _coords(topology, ranks, axis)
-        fill = colour(next(iter(values)), axis.size) if len(values) == 1 else "url(#mixed)"
+        value = next(iter(values)) if len(values) == 1 else None
+        fill = "url(#mixed)" if value is None else colour(value, axis.size, hue)
+        text = "#111111" if value is None else ink(value, axis.size)
         coord = topology.coord(start)
         if grid.block == 1:
             tip = f"rank {start}: " + ", ".join(f"{a.name} {getattr(coord, a.field)}" for a in reversed(axes)
@@ -222,15 +255,15 @@ def _panel(topology, axis: Axis, axes: list[Axis], grid: _Grid, x0: int, y0: int
                    f'stroke="#666" stroke-width="0.5"><title>{escape(tip)}</title></rect>')
         if grid.text:
             out.append(f'<text x="{x + grid.cell / 2:.0f}" y="{y + 17}" font-size="12" text-anchor="middle" '
-                       f'fill="#111">{start}</text>')
+                       f'fill="{text}">{start}</text>')
             out.append(f'<text x="{x + grid.cell / 2:.0f}" y="{y + 33}" font-size="10" text-anchor="middle" '
-                       f'fill="#222">{axis.field[0]}{getattr(coord, axis.field)}</text>')
+                       f'fill="{text}">{axis.field[0]}{getattr(coord, axis.field)}</text>')
         elif grid.cell >= 24:
             out.append(f'<text x="{x + grid.cell / 2:.0f}" y="{y + grid.cell / 2 + 3:.0f}" font-size="8" '
-                       f'text-anchor="middle" fill="#111">{start}</text>')
+                       f'text-anchor="middle" fill="{text}">{start}</text>')
     if contiguous:
         out += _group_boxes(axis, grid, gx, gy)
-    legend, legend_right = _legend(axis, word, x0, gy + grid.height + 6, grid.block > 1)
+    legend, legend_right = _legend(axis, word, hue, x0, gy + grid.height + 6, grid.block > 1)
     return out + legend, max(legend_right, note_x + _text_w(note, 11))
 
 
@@ -247,29 +280,92 @@ def _ranges(values: list[int]) -> str:
 
 
 def _group_boxes(axis: Axis, grid: _Grid, gx: int, gy: int) -> list:
-    """An outline around each group of consecutive ranks, one per node row it covers."""
+    """One outline around each group of consecutive ranks, whatever nodes it covers: a group over two whole nodes is
+    one box over their two rows, a group that starts mid-node one line around its cells (several loops only where its
+    cells do not touch: a group wrapped from the end of one node to the start of the next, or over two columns of
+    rows). Red and dashed where the group crosses a node boundary; the group's ranks on hover."""
     out = []
     for g in range(0, grid.world, axis.size):
         ranks = range(g, g + axis.size)
-        nodes = {r // grid.per_node for r in ranks}
+        nodes = sorted({r // grid.per_node for r in ranks})
         style = 'stroke="#d62728" stroke-dasharray="5,3"' if len(nodes) > 1 else 'stroke="#222"'
-        for node in sorted(nodes):
-            mine = [r for r in ranks if r // grid.per_node == node]
-            x, y = grid.place(mine[0])
-            w = len(mine) * grid.step
-            out.append(f'<rect x="{gx + x - GAP / 2:.1f}" y="{gy + y - GAP / 2:.1f}" width="{w:.1f}" '
-                       f'height="{grid.step:.1f}" rx="5" fill="none" {style} stroke-width="2"/>')
+        squares = set()
+        for r in ranks:  # each cell with half the gap around it: neighbours' squares share their edges
+            x, y = grid.place(r)
+            squares.add((gx + x - GAP // 2, gy + y - GAP // 2))
+        loops = [_inset(loop, 1.5) for loop in _outline(squares, grid.step)]
+        path = " ".join("M" + " L".join(f"{x:g},{y:g}" for x, y in loop) + " Z" for loop in loops)
+        where = f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {_ranges(nodes)}"
+        out.append(f'<path d="{path}" fill="none" {style} stroke-width="2" stroke-linejoin="round">'
+                   f'<title>{axis.name} group {g // axis.size}: ranks {g}-{g + axis.size - 1} ({where})</title></path>')
     return out
 
 
-def _legend(axis: Axis, word: str, x0: int, y: int, aggregated: bool) -> tuple[list, float]:
+def _outline(squares: set[tuple[int, int]], side: int) -> list[list[tuple[int, int]]]:
+    """The boundary of a union of ``side`` x ``side`` squares (top-left corners, on one lattice) as closed loops of
+    corners, clockwise on the screen (the inside on the right): the edges two squares share cancel; where two loops
+    touch at a corner, the sharpest right turn keeps them apart."""
+    edges: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for x, y in squares:
+        corners = [(x, y), (x + side, y), (x + side, y + side), (x, y + side)]
+        for a, b in zip(corners, corners[1:] + corners[:1], strict=True):
+            if a in edges.get(b, []):  # the neighbour's edge, the other way round: inside the union
+                edges[b].remove(a)
+            else:
+                edges.setdefault(a, []).append(b)
+    loops = []
+    while any(edges.values()):
+        start = min(a for a, ends in edges.items() if ends)
+        loop, a, came = [start], start, None
+        while True:
+            ends = edges[a]
+            if came is None or len(ends) == 1:
+                b = ends[0]
+            else:  # a corner where two loops touch: turn right (clockwise), the inside's side
+                b = next(e for e in ends if _turn(came, a, e) > 0)
+            ends.remove(b)
+            came, a = a, b
+            if a == start:
+                break
+            loop.append(a)
+        loops.append(_corners_only(loop))
+    return loops
+
+
+def _turn(a, b, c) -> int:
+    """The sign of the turn a -> b -> c on the screen (y down): positive for a right turn."""
+    return (b[0] - a[0]) * (c[1] - b[1]) - (b[1] - a[1]) * (c[0] - b[0])
+
+
+def _corners_only(loop: list) -> list:
+    """The loop without the points where it goes straight on."""
+    n = len(loop)
+    return [p for i, p in enumerate(loop) if _turn(loop[i - 1], p, loop[(i + 1) % n]) != 0]
+
+
+def _inset(loop: list, d: float) -> list[tuple[float, float]]:
+    """A clockwise loop of horizontal and vertical edges moved ``d`` inwards: neighbouring groups' outlines stay apart.
+    Each edge's inside is on its right; a corner moves along both of its edges' inward normals."""
+    out = []
+    n = len(loop)
+    for i, (x, y) in enumerate(loop):
+        nx = ny = 0.0
+        for a, b in ((loop[i - 1], loop[i]), (loop[i], loop[(i + 1) % n])):
+            dx, dy = (b[0] - a[0]) / max(1, abs(b[0] - a[0]) + abs(b[1] - a[1])), \
+                (b[1] - a[1]) / max(1, abs(b[0] - a[0]) + abs(b[1] - a[1]))
+            nx, ny = nx - dy, ny + dx  # the right of (dx, dy) on the screen
+        out.append((x + d * nx, y + d * ny))
+    return out
+
+
+def _legend(axis: Axis, word: str, hue: int, x0: int, y: int, aggregated: bool) -> tuple[list, float]:
     """The colour key under a panel, and where it ends on the right."""
     out = []
     shown = min(axis.size, 16)
     x = x0
     for i in range(shown):
         label = f"{axis.field[0]}{i}"
-        out.append(f'<rect x="{x}" y="{y}" width="12" height="12" rx="2" fill="{colour(i, axis.size)}"/>')
+        out.append(f'<rect x="{x}" y="{y}" width="12" height="12" rx="2" fill="{colour(i, axis.size, hue)}"/>')
         out.append(f'<text x="{x + 16}" y="{y + 10}" font-size="10">{label}</text>')
         x += 22 + 7 * len(label)
     if axis.size > shown:

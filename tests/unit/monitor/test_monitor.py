@@ -42,10 +42,10 @@ def test_the_record_and_mfu_are_the_planners():
 
 
 def test_the_console_line_and_when_it_is_printed():
-    line = step_line(_report(mfu=0.412), total=50, elapsed=65, eta=3725)
-    assert line == ("step 3/50  loss 3.2500  lr 3.00e-04  grad 0.75  2,048 tok/s  MFU 41.2%  mem 1.50 GB  0:01:05  "
+    line = step_line(_report(mfu=0.412), total=50, elapsed=65, eta=3725, width=200)
+    assert line == ("step 3/50  loss 3.2500  lr 3.00e-4  grad 0.75  2.05k tok/s  MFU 41.2%  mem 1.50 GB  1:05  "
                     "ETA 1:02:05")
-    assert "MFU -" in step_line(_report(), 50, 0, None) and "ETA -" in step_line(_report(), 50, 0, None)
+    assert "MFU -" in step_line(_report(), 50, 0, None, 200) and "ETA -" in step_line(_report(), 50, 0, None, 200)
     out = io.StringIO()  # not a terminal: a line every log_every steps and the last one, evaluations after theirs
     console = Console(total=7, start=0, log_every=3, stream=out)
     for s in range(1, 8):
@@ -53,9 +53,59 @@ def test_the_console_line_and_when_it_is_printed():
     console.close()
     steps = [line.split()[1] for line in out.getvalue().splitlines() if line.startswith("step ")]
     assert steps == ["3/7", "6/7", "7/7"] and "eval at step 4: loss 2.5000" in out.getvalue()
+    assert max(len(line) for line in out.getvalue().splitlines()) <= 80  # a plain line too (| tee in a terminal)
     quiet = io.StringIO()
     Console(total=7, start=0, enabled=False, stream=quiet).write(_report())
     assert quiet.getvalue() == ""
+
+
+@pytest.mark.parametrize("report, total, elapsed, eta, kept", [
+    # the README's run: at 80 columns the unknown MFU, the elapsed time and the learning rate go
+    (_report(step=20, loss=3.0395, lr=1.95e-3, grad_norm=2.99, tokens_per_s=21_080, memory_gb=0.39), 40, 1, 1,
+     "step 20/40  loss 3.0395  grad 2.99  21.1k tok/s  mem 0.39 GB  ETA 0:01"),
+    # a GPU run of half a million steps: the MFU is known and stays; the elapsed time, the lr and the memory go
+    (_report(step=123_456, loss=2.4512, lr=2.95e-4, grad_norm=0.312, tokens_per_s=1_234_567, memory_gb=61.2,
+             mfu=0.412), 500_000, 3 * 86400 + 5, 9 * 86400,
+     "step 123456/500000  loss 2.4512  grad 0.312  1.23M tok/s  MFU 41.2%  ETA 9d00h"),
+    # everything at its longest: the step, the loss and the ETA always stay
+    (_report(step=12_345_678, loss=123_456.789, lr=0.1234, grad_norm=1e30, tokens_per_s=9.99e15, memory_gb=12_345.6,
+             mfu=1.5), 99_999_999, 1e9, 1e10,
+     "step 12345678/99999999  loss 1.2346e5  9990T tok/s  MFU 150.0%  ETA 115740d17h"),
+    (_report(loss=float("nan"), lr=None, grad_norm=float("inf"), memory_gb=None, tokens_per_s=0.0), 10**9, 0, None,
+     "step 3/1000000000  loss nan  grad inf  0 tok/s  ETA -"),
+])
+def test_the_console_line_fits_80_columns(report, total, elapsed, eta, kept):
+    """Every line fits 80 columns: numbers written short, then the fields least needed go, always in one order, the
+    order of the line kept (the README's line was 97 characters)."""
+    line = step_line(report, total, elapsed, eta)
+    assert len(line) <= 80 and line == kept
+    from plugin.monitor.console import step_fields
+
+    every = [text for _, text in step_fields(report, total, elapsed, eta)]
+    assert step_line(report, total, elapsed, eta, width=1000) == "  ".join(every)  # a wide terminal: every field
+    assert line.split("  ") == [text for text in every if text in line.split("  ")]
+
+
+def test_a_run_keeps_its_fields_from_step_to_step():
+    """Fields are counted at the width their numbers usually grow to: a line does not gain or lose a field when the
+    gradient norm goes from 2.99 to 0.816, the throughput from 845 to 21.1k, or the step from 9 to 10."""
+    shapes = set()
+    steps = [(1, 2.99, 845, None), (9, 0.816, 21_080, 100), (10, 12.3, 1.62e3, 1), (40, 0.5, 5e4, 0)]
+    for step, grad, speed, eta in steps:
+        line = step_line(_report(step=step, grad_norm=grad, tokens_per_s=speed), 40, step, eta)
+        shapes.add(tuple(re.sub(r"[-\d.:]+[kMG]?", "N", line).split("  ")))
+    assert shapes == {("step N/N", "loss N", "grad N", "N tok/s", "mem N GB", "ETA N")}
+
+
+def test_numbers_written_short():
+    from plugin.monitor.console import _clock, _number, _throughput
+
+    assert [_throughput(v) for v in (0, 845, 999.4, 999.6, 21_080, 211_000, 999_960, 1.23e6, 5e15)] == \
+        ["0", "845", "999", "1.00k", "21.1k", "211k", "1.00M", "1.23M", "5000T"]
+    assert [_number(v) for v in (0, 2.99, 0.312, 123.4, 999.6, 12_345.6, 3e-5, float("inf"))] == \
+        ["0", "2.99", "0.312", "123", "1.0e3", "1.2e4", "3.0e-5", "inf"]
+    assert [_clock(v) for v in (0, 65, 3725, 86_399, 3 * 86_400 + 4 * 3600)] == \
+        ["0:00", "1:05", "1:02:05", "23:59:59", "3d04h"]
 
 
 def test_the_live_line_on_a_terminal():
@@ -67,6 +117,31 @@ def test_the_live_line_on_a_terminal():
     text = out.getvalue()
     assert "step 3/3" in text and "eval at step 2: loss 2.0000" in text
     assert text.count("eval at step 2") == 1  # printed once, above the line, which is redrawn in place
+
+
+@pytest.mark.parametrize("columns", [60, 80, 132])
+def test_the_live_line_fits_its_terminal(columns):
+    """On a terminal (a pseudo-terminal of ``columns``) the live line is as wide as the terminal allows; a plain line
+    keeps to 80 whatever the terminal."""
+    import fcntl
+    import os
+    import struct
+    import termios
+
+    leader, follower = os.openpty()
+    try:
+        fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+        with open(follower, "w", closefd=False) as tty:
+            live = Console(total=500_000, start=0, stream=tty)
+            live.write(_report(step=1))
+            assert live.live_line and live.width == live._live.console.width == columns
+            live.close()
+            assert Console(total=500_000, start=0, stream=tty, live=False).width == 80
+    finally:
+        os.close(leader)
+        os.close(follower)
+    line = step_line(_report(step=123_456, mfu=0.41), 500_000, 3725, 9e5, width=columns)
+    assert len(line) <= columns and ("mem 1.50 GB" in line) == (columns >= 132)
 
 
 def test_metrics_file_writes_the_issues_keys(tmp_path):
@@ -174,19 +249,39 @@ def test_tensorboard_missing_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == tensorboard.missing()
 
 
-def test_plot_draws_runs_overlaid(tmp_path, capsys):
+def test_plot_draws_runs_overlaid(tmp_path, capsys, monkeypatch):
+    """The picture ``plot`` saves holds each run's loss, eval loss and lr lines, with the files' values (a PNG alone
+    would pass with the lr or the eval line missing): the figure it saves is read back, the real drawing code run."""
     pytest.importorskip("matplotlib")
     from plugin.cli.main import main
+    from plugin.monitor import plot
 
+    lrs = [1e-3 * min(1, s / 2) for s in range(1, 6)]
+    losses = {}
     for name, scale in (("single", 1.0), ("tp2", 1.001)):
+        losses[name] = [4 - s * scale / 4 for s in range(1, 6)]
         with open(tmp_path / f"{name}.jsonl", "w") as f:
             for s in range(1, 6):
-                record = {**_report(step=s, loss=4 - s * scale / 4, lr=1e-3 * min(1, s / 2)).to_json(),
-                          **({"eval_loss": 3.5} if s == 5 else {})}
+                record = {**_report(step=s, loss=losses[name][s - 1], lr=lrs[s - 1]).to_json(),
+                          **({"eval_loss": 3.5 - (name == "tp2") * 0.25} if s in (3, 5) else {})}
                 f.write(json.dumps(record) + "\n")
+    figures = []
+    draw = plot.draw_runs
+    monkeypatch.setattr(plot, "draw_runs", lambda *a, **k: figures.append(draw(*a, **k)) or figures[-1])
     out = tmp_path / "plot.png"
     assert main(["plot", str(tmp_path / "single.jsonl"), str(tmp_path / "tp2.jsonl"), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    top, bottom = figures[0].axes
+
+    def lines(axes):
+        return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in axes.get_lines()}
+
+    assert lines(top) == {"single: loss": ([1, 2, 3, 4, 5], losses["single"]),
+                          "single: eval loss": ([3, 5], [3.5, 3.5]),
+                          "tp2: loss": ([1, 2, 3, 4, 5], losses["tp2"]), "tp2: eval loss": ([3, 5], [3.25, 3.25])}
+    assert lines(bottom) == {"single": ([1, 2, 3, 4, 5], lrs), "tp2": ([1, 2, 3, 4, 5], lrs)}
+    assert [t.get_text() for t in top.get_legend().get_texts()] == list(lines(top))
+    assert (top.get_ylabel(), bottom.get_ylabel(), bottom.get_xlabel()) == ("loss", "learning rate", "step")
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     assert main(["plot", str(tmp_path / "bad.jsonl"), "-o", str(out)]) == 2
     assert "bad.jsonl: line 1: not a JSON line" in capsys.readouterr().err
@@ -209,8 +304,56 @@ def test_rank_map_svg_has_a_cell_per_rank_and_panel(tmp_path):
     tips = [c.find("{http://www.w3.org/2000/svg}title").text for c in cells]
     assert "rank 5: pipeline 1, data 0, tensor 1" in tips
     assert svg.count('stroke="#222"') == 4  # four tensor groups, each inside its node
-    crossing = rank_map_svg(Topology(dp_size=2, tp_size=8), gpus_per_node=4)
-    assert crossing.count('stroke-dasharray="5,3"') == 4  # two tensor groups of 8 over nodes of 4: two pieces each
+
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def _outlines(svg: str) -> dict[str, list[tuple[float, float, float, float]]]:
+    """Each group outline's title and the (left, top, right, bottom) box of each of its loops."""
+    out = {}
+    for path in ET.fromstring(svg).iter(f"{SVG}path"):
+        loops = []
+        for loop in path.get("d").split("M")[1:]:
+            points = [tuple(map(float, p.split(","))) for p in re.findall(r"[-\d.]+,[-\d.]+", loop)]
+            xs, ys = [x for x, _ in points], [y for _, y in points]
+            loops.append((min(xs), min(ys), max(xs), max(ys)))
+        out[path.find(f"{SVG}title").text] = loops
+    return out
+
+
+def _inside(cells: list, boxes: list) -> list[int]:
+    """The ranks (cell titles "rank N: ...") whose cell centre lies in one of ``boxes``."""
+    out = []
+    for c in cells:
+        x, y, w = float(c.get("x")), float(c.get("y")), float(c.get("width"))
+        if any(left < x + w / 2 < right and top < y + w / 2 < bottom for left, top, right, bottom in boxes):
+            out.append(int(c.find(f"{SVG}title").text.split()[1].rstrip(":")))
+    return out
+
+
+@pytest.mark.parametrize("topology, per_node, loops", [
+    (Topology(dp_size=2, tp_size=8), 4, {0: 1, 1: 1}),  # each group two whole nodes: one box over two rows
+    (Topology(dp_size=2, tp_size=6, pp_size=2), 8, {0: 1, 1: 2, 2: 2, 3: 1}),  # groups 1 and 2 wrap to the next node
+])
+def test_a_tensor_group_across_nodes_is_one_outline(topology, per_node, loops):
+    """One outline per group, around exactly its ranks, whatever nodes it covers (it was drawn as one box per node,
+    so that tensor 8 over nodes of 4 looked like tensor 4); red and dashed where it crosses nodes."""
+    svg = rank_map_svg(topology, gpus_per_node=per_node)
+    outlines = _outlines(svg)
+    tensor = topology.tp_size
+    assert len(outlines) == topology.world_size // tensor
+    cells = _cells(svg)[:topology.world_size]  # the tensor panel's
+    paths = list(ET.fromstring(svg).iter(f"{SVG}path"))
+    for g in range(topology.world_size // tensor):
+        ranks = list(range(g * tensor, (g + 1) * tensor))
+        nodes = sorted({r // per_node for r in ranks})
+        where = f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {nodes[0]}-{nodes[-1]}"
+        title = f"tensor group {g}: ranks {ranks[0]}-{ranks[-1]} ({where})"
+        assert len(outlines[title]) == loops[g] and _inside(cells, outlines[title]) == ranks
+        crossing = len(nodes) > 1
+        assert (paths[g].get("stroke"), paths[g].get("stroke-dasharray")) == \
+            (("#d62728", "5,3") if crossing else ("#222", None))
 
 
 def test_rank_map_aggregates_above_1024_ranks():
@@ -282,3 +425,31 @@ def test_rank_map_header_names_the_layout_slowest_first(topology, header):
     tensor 2", against the panels' and the rank order's tensor-first nesting)."""
     svg = rank_map_svg(topology, gpus_per_node=8)
     assert header in [t for t, _, _ in _text_extents(svg)]
+
+
+def _hue(fill: str) -> float:
+    import colorsys
+
+    r, g, b = (int(fill[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    return colorsys.rgb_to_hls(r, g, b)[0] * 360
+
+
+@pytest.mark.parametrize("topology", [Topology(pp_size=2, dp_size=2, tp_size=2), FourAxes(),
+                                      Topology(pp_size=2, dp_size=16, tp_size=4)])
+def test_each_panel_has_its_own_colour_family(topology):
+    """Every panel's cells and legend are shades of one hue, and no two panels' hues come near each other (one palette
+    for all once made tensor rank 0, data replica 0 and pipeline stage 0 the same blue)."""
+    svg = rank_map_svg(topology, gpus_per_node=8)
+    cells = _cells(svg)
+    world = topology.world_size
+    panels = [[c.get("fill") for c in cells[k:k + world]] for k in range(0, len(cells), world)]
+    assert len(panels) == sum(a.size > 1 for a in axes_of(topology))
+    legends = [r.get("fill") for r in ET.fromstring(svg).iter(f"{SVG}rect")
+               if r.get("width") == "12" and r.get("fill", "").startswith("#")]
+    assert set(legends) == {f for panel in panels for f in panel}  # the key shows the cells' colours
+    hues = [[_hue(f) for f in set(panel)] for panel in panels]
+    for k, mine in enumerate(hues):
+        assert max(mine) - min(mine) <= 36, (k, mine)  # one family (no family wraps around 0 degrees)
+        for other in hues[k + 1:]:
+            gap = min(min(abs(a - b), 360 - abs(a - b)) for a in mine for b in other)
+            assert gap >= 5, (k, mine, other)
