@@ -26,6 +26,7 @@ from plugin.checkpoint.directory import step_name
 from plugin.data.text import TextBatches
 from plugin.elastic.ledger import Heartbeat
 from plugin.elastic.resume import AUTO, resume_from, resume_problem
+from plugin.elastic.standby import stand_by
 from plugin.elastic.world import follow_world, shared_store_warning
 from plugin.errors import PluginError, RecipeError
 from plugin.job.interrupt import GRACE_S, Interrupts
@@ -206,7 +207,7 @@ def train(args, interrupts, held, rank0):
         if not world.trains:
             if world.rank == world.usable:
                 print(world.sit_out_line(recipe.name), file=sys.stderr, flush=True)
-            return 0
+            return stand_by(args.save, args.steps, os.environ) if world.stands_by else 0  # keeps its node in the job
         os.environ["WORLD_SIZE"] = str(world.usable)
         warning = shared_store_warning(os.environ)
         if warning and world.rank == 0:

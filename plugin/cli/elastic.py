@@ -56,7 +56,7 @@ def run(args) -> int:
         return EXIT_INVALID
     rows = elastic_table(recipe, args.nodes, args.gpus_per_node, args.gpu_memory)
     if args.json:
-        print_json([r.to_json() for r in rows])
+        print_json([{**r.to_json(), "idle_nodes": idle_nodes(r, args.gpus_per_node)} for r in rows])
     else:
         out = []
         for r in rows:
@@ -64,17 +64,34 @@ def run(args) -> int:
             if lay is None:
                 out.append((str(r.nodes), str(r.world_size), "-", "cannot train", "-", "-", "-", "-"))
                 continue
-            idle = r.world_size - r.usable
-            shape = f"data {lay.data} x tensor {lay.tensor} x pipeline {lay.pipeline}"
-            out.append((str(r.nodes), str(r.world_size), str(r.usable) + (f" ({idle} idle)" if idle else ""),
-                        shape, f"{lay.micro_batch} x {lay.grad_accum}",
+            out.append((str(r.nodes), str(r.world_size), training(r, args.gpus_per_node), lay.words,
+                        f"{lay.micro_batch} x {lay.grad_accum}",
                         "-" if r.memory_per_gpu is None else fmt_bytes(r.memory_per_gpu),
                         "-" if r.step_time_s is None else fmt_seconds(r.step_time_s),
                         "-" if r.fits is None else ("yes" if r.fits else "NO")))
         g = recipe.batch.global_
         print_table(f"{recipe.name}: global batch {g} at every size (micro x grad_accum x data)",
                     ["nodes", "processes", "training", "layout", "micro x accum", "memory/GPU", "step time", "fits"],
-                    out, right=["nodes", "processes", "memory/GPU", "step time"],
-                    caption="memory and step time: the planner's estimate for the recipe's model block (roofline, "
-                            "H100); idle processes exit at each start and rejoin at the next")
+                    out, right=["nodes", "processes", "memory/GPU", "step time"], caption=CAPTION)
     return EXIT_OK if all(r.layout is not None for r in rows) else NOT_ALL
+
+
+CAPTION = ("memory and step time: the planner's estimate for the recipe's model block (roofline, H100). Idle processes "
+           "exit at each start and are back at the next, except the first of an idle node (none of its processes "
+           "trains): it stands by, so that torch's agent keeps the node in the job (docs/elastic.md)")
+
+
+def idle_nodes(row, per_node: int) -> int:
+    """The nodes of ``row`` none of whose processes train (the launcher numbers ranks node by node)."""
+    return 0 if row.usable is None else row.nodes - -(-row.usable // per_node)
+
+
+def training(row, per_node: int) -> str:
+    """``4``, ``4 (2 idle)``, ``4 (1 node idle)``, or ``5 (3 idle, 1 node)`` where whole nodes train none."""
+    idle, nodes = row.world_size - row.usable, idle_nodes(row, per_node)
+    whole = f"{nodes} node{'s' if nodes > 1 else ''}"
+    if not idle:
+        return str(row.usable)
+    if not nodes:
+        return f"{row.usable} ({idle} idle)"
+    return f"{row.usable} ({whole} idle)" if idle == nodes * per_node else f"{row.usable} ({idle} idle, {whole})"

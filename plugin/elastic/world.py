@@ -2,12 +2,13 @@
 
 torchrun's elastic agent (``--nnodes MIN:MAX``) restarts every worker on each membership change, with RANK and
 WORLD_SIZE of the new world. An elastic recipe (:func:`plugin.recipe.elastic.elastic_problems`: ``"data": "auto"``,
-``batch.global``) re-resolves its data degree from that world, but not every world fits: tensor x pipeline must
-divide it and the global batch must split into micro x data. Then the largest usable number of processes below it
-trains (:func:`plugin.recipe.elastic.usable_world`) and the surplus leave before any process group exists: the
-launcher numbers ranks contiguously, so ranks ``0 .. usable-1`` train, and the training processes are told
-``WORLD_SIZE=usable`` before they build their groups. torch's default group is then made over them alone (its
-store waits for ``usable`` processes), and the ones that left are never waited for.
+``batch.global``) re-resolves its data degree from that world, but not every world fits: tensor x pipeline (x
+context) must divide it and the global batch must split into micro x data. Then the largest usable number of
+processes below it trains (:func:`plugin.recipe.elastic.usable_world`) and the surplus leave before any process group
+exists: the launcher numbers ranks contiguously, so ranks ``0 .. usable-1`` train, and the training processes are
+told ``WORLD_SIZE=usable`` before they build their groups. torch's default group is then made over them alone (its
+store waits for ``usable`` processes), and the ones that left are never waited for. A node none of whose processes
+train keeps its first one, standing by (:mod:`.standby`): without a worker left, torch's agent would leave the job.
 """
 from __future__ import annotations
 
@@ -23,12 +24,15 @@ NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # what an agent reads to
 
 @dataclass(frozen=True)
 class ElasticWorld:
-    """This process at this start: its rank in the launched world, the launched and the usable size."""
+    """This process at this start: its rank in the launched world (and on its node), the launched and the usable
+    size, and the processes per node (torchrun numbers ranks node by node; launch.sh starts as many on each)."""
 
     rank: int
     launched: int
     usable: int
     layout: object  # plugin.recipe.layout.Layout at ``usable`` processes
+    local_rank: int = 0
+    per_node: int = 0  # LOCAL_WORLD_SIZE; 0 outside torchrun's agent (no node to keep in the job)
 
     @property
     def trains(self) -> bool:
@@ -38,16 +42,41 @@ class ElasticWorld:
     def surplus(self) -> range:
         return range(self.usable, self.launched)
 
-    def shape(self) -> str:
-        lay = self.layout
-        return f"data {lay.data} x tensor {lay.tensor} x pipeline {lay.pipeline}"
+    @property
+    def stands_by(self) -> bool:
+        """The first process of a node none of whose processes train: it stays (:mod:`.standby`), the rest exit."""
+        return self.per_node > 0 and self.local_rank == 0 and not self.trains
 
     def sit_out_line(self, name: str) -> str:
         """The one line the first surplus process prints for all of them."""
+        per_node = self.per_node or self.launched
+        idle = idle_node_ranks(self.launched, self.usable, per_node)
+        held = [str(r) for r in range(idle.start, idle.stop, per_node)]
+        stay = "" if not held else (f"; rank {held[0]} stands by, its node trains none" if len(held) == 1 else
+                                    f"; ranks {', '.join(held)} stand by, their nodes train none")
         first, last = self.surplus[0], self.surplus[-1]
         who = f"rank {first} sits" if first == last else f"ranks {first}-{last} sit"
-        return (f"elastic: {who} out this start (exit 0 now, back at the next restart): {name} trains on "
-                f"{self.usable} of the {self.launched} processes, {self.shape()}, the most it can use")
+        return (f"elastic: {who} out this start (exit 0 now, back at the next restart{stay}): {name} trains on "
+                f"{self.usable} of the {self.launched} processes, {self.layout.words}, the most it can use")
+
+
+def idle_node_ranks(launched: int, usable: int, per_node: int) -> range:
+    """The ranks of the nodes none of whose processes train: ranks go node by node, ``per_node`` on each, and the
+    first ``usable`` train.
+
+    >>> idle_node_ranks(6, 4, 2), idle_node_ranks(6, 3, 2), idle_node_ranks(6, 4, 6)
+    (range(4, 6), range(4, 6), range(6, 6))
+    """
+    first = -(-usable // per_node) * per_node
+    return range(min(first, launched), launched)
+
+
+def model_words(parallelism, numbers: bool = True) -> str:
+    """``tensor T x pipeline P`` (`` x context C`` with a context axis): one replica of the model, the unit of an
+    elastic world; ``numbers=False`` gives the words alone."""
+    axes = [("tensor", parallelism.tensor), ("pipeline", parallelism.pipeline)]
+    axes += [("context", parallelism.context)] if parallelism.context > 1 else []
+    return " x ".join(f"{name} {n}" if numbers else name for name, n in axes)
 
 
 def follow_world(recipe, environ: Mapping[str, str]) -> ElasticWorld:
@@ -61,13 +90,16 @@ def follow_world(recipe, environ: Mapping[str, str]) -> ElasticWorld:
     if not problems and usable is None:
         p = recipe.parallelism
         problems = [Problem("$.parallelism", f"no number of processes up to the {launched} launched can train the "
-                            f"recipe (tensor {p.tensor} x pipeline {p.pipeline}, batch.global "
-                            f"{recipe.batch.global_}, micro {recipe.batch.micro})",
-                            "launch at least tensor x pipeline processes on a world where the global batch splits",
+                            f"recipe ({model_words(p)}, batch.global {recipe.batch.global_}, micro "
+                            f"{recipe.batch.micro})",
+                            f"launch at least {model_words(p, numbers=False)} processes on a world where the global "
+                            "batch splits",
                             file=str(recipe.source or ""))]
     if problems:
         raise RecipeError(problems)
-    return ElasticWorld(int(environ.get("RANK", "0")), launched, usable, layout_at(recipe, usable))
+    rank = int(environ.get("RANK", "0"))
+    return ElasticWorld(rank, launched, usable, layout_at(recipe, usable), int(environ.get("LOCAL_RANK", rank)),
+                        int(environ.get("LOCAL_WORLD_SIZE", "0")))
 
 
 def shared_store_warning(environ: Mapping[str, str]) -> str | None:

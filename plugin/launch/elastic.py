@@ -16,7 +16,7 @@ role_info/0, ...``; pytorch#135712 is the shared store's opt-out), which ends th
 """
 from __future__ import annotations
 
-from ..elastic.world import NO_SHARED_STORE
+from ..elastic.world import NO_SHARED_STORE, model_words
 from ..errors import Problem
 from ..recipe.elastic import elastic_problems, usable_world
 
@@ -47,10 +47,10 @@ def elastic_launch_problems(recipe, nodes: tuple[int, int], per_node: int, train
         if dead:
             p = recipe.parallelism
             problems.append(Problem("$.parallelism", f"at {', '.join(map(str, dead))} node(s) of {per_node} "
-                                    f"process(es) no number of processes trains the recipe (tensor {p.tensor} x "
-                                    f"pipeline {p.pipeline}, batch.global {recipe.batch.global_})",
-                                    "raise MIN (or --nproc) so that every node count holds tensor x pipeline "
-                                    "processes", file=str(recipe.source)))
+                                    f"process(es) no number of processes trains the recipe ({model_words(p)}, "
+                                    f"batch.global {recipe.batch.global_})",
+                                    "raise MIN (or --nproc) so that every node count holds "
+                                    f"{model_words(p, numbers=False)} processes", file=str(recipe.source)))
     if not any(a == "--save" or a.startswith("--save=") for a in train_args):
         problems.append(Problem("--save", "an elastic job resumes every restart from train.py's --save directory, "
                                 "and none is given", "pass -- --save DIR (a directory every node reaches)"))

@@ -20,6 +20,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -120,6 +121,16 @@ class Node:
             return self.proc.wait()
 
 
+def _listening(master: str) -> bool:
+    """Whether the rendezvous store at ``master`` takes connections: the first agent to arrive hosts it."""
+    host, port = master.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
 def _wait(what: str, ready, nodes, limit: float = 300) -> None:
     start = time.monotonic()
     while not ready():
@@ -145,7 +156,7 @@ def test_lose_a_node_then_gain_one_with_one_process_losses(backend, reference, t
     recipe = recipe_variant("cpu_tp2_dp2", tmp_path, f"elastic_{backend}", **BLOCKS, launcher=CASES[backend])
     metrics, master = tmp_path / "metrics.jsonl", f"127.0.0.1:{free_port()}"
     a = Node("A", recipe, tmp_path, master, metrics)
-    time.sleep(1)  # A hosts the rendezvous store
+    _wait("A's agent hosting the rendezvous store", lambda: _listening(master), [a])  # B's loss cannot take it
     b = Node("B", recipe, tmp_path, master, metrics)
     nodes = [a, b]
     c = None
@@ -195,5 +206,65 @@ def test_lose_a_node_then_gain_one_with_one_process_losses(backend, reference, t
         assert math.isclose(r["loss"], reference[r["step"]], rel_tol=RTOL), \
             f"step {r['step']} (start {r['restart']}): loss {r['loss']!r} != one process {reference[r['step']]!r}"
     print(f"{backend}: starts {[s[1] for s in shapes]}; resumed {resumed}; scale-up: C's "
-          f"join -> a step at data 2 in {scale_up_s} s; losses by (start, step): "
-          + ", ".join(f"({r['restart']},{r['step']}) {r['loss']:.6f}" for r in records))
+          f"join -> a step at data 2 in {scale_up_s} s")
+    _print_losses(records, reference)
+
+
+def _print_losses(records: list[dict], reference: dict) -> None:
+    """Each logged step against one process (what docs/elastic.md's table shows)."""
+    print("step  start  loss        one process  rel. difference")
+    for r in records:
+        one = reference[r["step"]]
+        print(f"{r['step']:>4}  {r['restart']:>5}  {r['loss']:.8f}  {one:.8f}   {abs(r['loss'] - one) / abs(one):.1e}")
+
+
+@pytest.mark.slow
+def test_a_node_that_trains_none_stands_by_and_is_back_at_the_next_restart(reference, tmp_path):
+    """Three nodes of 2 where 4 processes train (data 3 does not split the global batch 16 / micro 4): the node
+    holding ranks 4-5 trains none. torch's agent would leave the job once its workers all exit 0 (SUCCEEDED, its
+    exit barrier; then out of every restart, and closing the rendezvous at 300 s: plugin/elastic/standby.py), so its
+    first process stands by. A trainer other than A (which hosts the rendezvous store) is lost: the next start must
+    be data 2 on A and the node that stood by (data 1 if it had left), and every process ends with the job."""
+    kill_at = random.Random(SEED).randint(2, 4)
+    recipe = recipe_variant("cpu_tp2_dp2", tmp_path, "elastic_standby", **BLOCKS, launcher="torchrun")
+    metrics, master = tmp_path / "metrics.jsonl", f"127.0.0.1:{free_port()}"
+    a = Node("A", recipe, tmp_path, master, metrics)
+    nodes = [a]
+    try:
+        _wait("A's agent hosting the rendezvous store", lambda: _listening(master), nodes)
+        nodes += [Node("B", recipe, tmp_path, master, metrics), Node("C", recipe, tmp_path, master, metrics)]
+        # the three may meet in the first round or in a later one (a membership change): the 3-node start is the one
+        # whose sit-out line names a node standing by, and its records carry a later start number than any before it
+        _wait("a node standing by", lambda: any("stands by, its node trains none" in n.err for n in nodes), nodes)
+        idle = next(n for n in nodes if "stands by, its node trains none" in n.err)
+        before = max((r["restart"] for r in _records(metrics)), default=-1)
+        _wait(f"step {kill_at} of the 3-node start",
+              lambda: any(r["restart"] > before and r["step"] >= kill_at for r in _records(metrics)), nodes)
+        lost = next(n for n in nodes if n not in (a, idle))
+        three = max(r["restart"] for r in _records(metrics))
+        _signal(_tree(lost.proc.pid), signal.SIGKILL)
+        assert lost.proc.wait(timeout=30) != 0
+        survivors = [n for n in nodes if n is not lost]
+        _wait("a step after the loss", lambda: any(r["restart"] > three for r in _records(metrics)), survivors)
+        codes = {n.name: n.finish(timeout=300) for n in survivors}
+    finally:
+        for n in nodes:
+            if n.proc.poll() is None:
+                _signal(_tree(n.proc.pid), signal.SIGKILL)
+    logs = "\n".join(f"--- {n.name} (exit {n.proc.returncode})\n{n.err[-6000:]}" for n in nodes)
+    assert codes == {n.name: 0 for n in survivors}, logs
+    out = "".join(n.err for n in survivors)
+    assert idle.err.count("stands by, its node trains none") == 1, logs  # it trained at the next start
+    shapes = [m.groups() for m in SHAPE.finditer(out)]
+    assert [s[1] for s in shapes][-2:] == ["data 2", "data 2"], (shapes, logs)  # the node that stood by came back
+    resumed = [(int(n), float(s), int(d0), int(d1)) for n, s, d0, d1 in RESUMED.findall(out)]
+    assert [(d0, d1) for *_, d0, d1 in resumed][-1:] == [(2, 2)], (resumed, logs)
+    records = _records(metrics)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), (records, logs)
+    assert records[-1]["restart"] > three, (records, logs)
+    for r in records:
+        assert math.isclose(r["loss"], reference[r["step"]], rel_tol=RTOL), \
+            f"step {r['step']} (start {r['restart']}): loss {r['loss']!r} != one process {reference[r['step']]!r}"
+    print(f"stand-by: {idle.name} stood by, {lost.name} lost after step {kill_at}; starts {[s[1] for s in shapes]}; "
+          f"resumed {resumed}")
+    _print_losses(records, reference)

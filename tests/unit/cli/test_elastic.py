@@ -40,8 +40,24 @@ def test_the_command_lists_every_node_count_with_its_layout(tmp_path):
     got = [(r["nodes"], r["world_size"], r["usable"], r["layout"]["data"], r["layout"]["grad_accum"]) for r in rows]
     assert got == [(1, 4, 4, 1, 24), (2, 8, 8, 2, 12), (3, 12, 12, 3, 8), (4, 16, 16, 4, 6), (5, 20, 16, 4, 6)]
     assert all(r["memory_per_gpu"] > 0 and r["step_time_s"] > 0 for r in rows)
+    assert [r["idle_nodes"] for r in rows] == [0, 0, 0, 0, 1]  # at 5 nodes ranks 16-19, the fifth node, train none
     text = cli("elastic", path, "--nodes", "5", "--gpus-per-node", "4")
-    assert text.returncode == 0 and "16 (4 idle)" in text.stdout, text.stdout
+    assert text.returncode == 0 and "16 (1 node idle)" in text.stdout, text.stdout
+    caption = " ".join(text.stdout.split())
+    assert "except the first of an idle node (none of its processes trains): it stands by" in caption
+    three = cli("elastic", path, "--nodes", "5", "--gpus-per-node", "3", "--json")  # 15 processes: 12 train
+    assert [(r["usable"], r["idle_nodes"]) for r in json.loads(three.stdout)] == [(12, 1)]  # ranks 12-14: node 4
+
+
+def test_the_table_names_the_context_axis(tmp_path):
+    path = tmp_path / "elc.json"  # tensor 2 x context 2: 4 processes a replica; global 48 = micro 2 x accum x data
+    path.write_text(json.dumps({**RECIPE, "parallelism": {"data": "auto", "tensor": 2, "pipeline": 1, "context": 2}}))
+    out = cli("elastic", path, "--nodes", "1:3", "--gpus-per-node", "6", "--json")
+    rows = json.loads(out.stdout)
+    assert [(r["usable"], r["layout"]["data"], r["layout"]["context"], r["idle_nodes"]) for r in rows] == \
+        [(4, 1, 2, 0), (12, 3, 2, 0), (16, 4, 2, 0)]  # 6 -> 4 (2 idle), 12, 18 -> 16 (2 idle on the third node)
+    text = cli("elastic", path, "--nodes", "2", "--gpus-per-node", "6")
+    assert "data 3 x tensor 2 x pipeline 1 x context 2" in text.stdout, text.stdout
 
 
 @pytest.mark.parametrize("nodes, code", [("1:2", 3), ("2:2", 0)])
