@@ -6,14 +6,16 @@ given another address: rank 0 ``Timed out after 21 seconds waiting for clients. 
 check-ins, the ranks that reached the store name the ones that never did, and a rank that could not reach it says so,
 with the address it was given (:func:`plugin.watchdog.verdict.rendezvous_line`).
 
-A thread per rank, from :func:`plugin.watchdog.guard.prepare` on: it connects as one more client (the store is up
-once rank 0 enters ``init_process_group``, or from the start under torchrun, whose agent serves it), appends its rank
-to ``arrived``, and reads the count every beat until every rank has checked in (the list itself only once the count
-has stood short for half the timeout), then leaves. Its calls go through a
-:class:`~plugin.watchdog.store.BoundedStore`; the explanation reads only what the thread last saw.
+A thread per rank, from :func:`plugin.watchdog.guard.prepare` on: it tries the address with a plain socket every half
+second (quietly, and as long as the start takes: the store is up only once rank 0 enters ``init_process_group``,
+after DeepSpeed's import and JIT build, or from the start under torchrun, whose agent serves it), then connects as
+one more client, appends its rank to ``arrived``, and reads the count every beat until every rank has checked in
+(the list itself only once the count has stood short for half the timeout), then leaves. Its store calls go through
+a :class:`~plugin.watchdog.store.BoundedStore`; the explanation reads only what the thread last saw.
 """
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -38,6 +40,15 @@ class Arrival:
 
     def _run(self) -> None:
         host, _, port = self.address.rpartition(":")
+        while not self._stop.is_set():
+            try:
+                socket.create_connection((host, int(port)), timeout=2).close()
+                break
+            except (OSError, ValueError) as e:  # not up yet (refused), or never (a wrong address)
+                self.error = str(e) or type(e).__name__
+                self._stop.wait(0.5)
+        if self._stop.is_set():
+            return
         store = None
         try:
             store = BoundedStore(connect(host, int(port), self.prefix, self.timeout_s), self.timeout_s)

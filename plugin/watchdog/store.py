@@ -46,7 +46,7 @@ class StoreServer:
     def start(cls, linger_s: float, prefix: str = "") -> StoreServer:
         """Fork the server (call before any process group exists: the child must not inherit their threads). Once
         its parent is gone it serves until the guard's key ``reported`` under ``prefix`` is set (the survivors'
-        report is out) and 2 s more, at most ``linger_s`` seconds, then exits."""
+        report is out) and 5 s more, at most ``linger_s`` seconds, then exits."""
         read, write = os.pipe()
         parent = os.getpid()
         pid = os.fork()
@@ -155,7 +155,7 @@ def _serve(write_fd: int, parent: int, linger_s: float, prefix: str) -> None:
     deadline = time.monotonic() + linger_s
     while time.monotonic() < deadline and not (prefix and done.check(["reported"])):
         time.sleep(0.5)
-    time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))  # the last readers of the report's keys
+    time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))  # the last readers of the report's keys
 
 
 def connect(host: str, port: int, prefix: str, timeout_s: float = 30.0):

@@ -85,9 +85,9 @@ class Verdict:
 
     def report(self) -> str:
         """The triage report: what each named rank last did, what every other rank waits for."""
-        lost = any(m in self.cause for m in LOST)
-        out = [f"watchdog: the job stopped, {'a peer lost' if lost else f'after {self.timeout_s:g} s without progress'}"
-               f": {self.cause}"]
+        how = "at once, a peer lost" if any(m in self.cause for m in LOST) else \
+            f"after {self.timeout_s:g} s without progress"
+        out = [f"watchdog: the job stopped {how}: {self.cause}"]
         if self.named:
             out.append("  held by:")
         for n in self.named:
@@ -96,12 +96,12 @@ class Verdict:
             out.append(f"    {self.who(n.rank)}{where}: {n.words}")
             if entry and n.why != "behind":
                 out.append(f"      at its last heartbeat: {doing(entry)}")
-            if n.why == "stopped":  # on this host: the guard ends it, or every launcher waits for it (DeepSpeed 30 s)
-                out.append("      ended with SIGKILL after this report (a launcher would wait for a stopped process)")
             if entry:
                 entered = self._entered(n.rank, entry)
                 if entered:
                     out.append(f"      last collectives entered: {entered}")
+            if n.why == "stopped":  # on this host: the guard ends it, or every launcher waits for it (DeepSpeed 30 s)
+                out.append("      ended with SIGKILL after this report (a launcher would wait for a stopped process)")
         waiting = [r for r in sorted(self.live) if self.waits.get(r)]
         if waiting:
             out.append("  waiting:")
@@ -273,7 +273,8 @@ def store_silent_line(me: int, topology, store_rank: int, entry: Mapping | None,
     watchdog: ... by rank 0: data 0, ... (its host stopped, or out of reach; ... by torchrun's agent on its host, ...
     """
     where = f" on {entry['host']} (pid {entry['pid']})" if entry else ""
-    words = STATE_WORDS.get(state, ("", "its host stopped, or out of reach"))[1]
+    words = "its process runs" if state == "running" else \
+        STATE_WORDS.get(state, ("", "its host stopped, or out of reach"))[1]
     served = "torchrun's agent on its host" if agent else f"a process rank {store_rank} forked"
     return (f"watchdog: rank {me} stops, the job is held by rank {store_rank}: {coord_words(topology, store_rank)}"
             f"{where} ({words}; the watchdog's store at {address}, served by {served}, has not answered for "
