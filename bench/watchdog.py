@@ -1,4 +1,5 @@
-"""What the hang guard's heartbeat costs a ``cpu_tp2_dp2`` step (the goal: at most 0.5 %).
+"""What the hang guard's heartbeat costs a ``cpu_tp2_dp2`` step (the goal: at most 0.5 %), and with ``--hangs``
+how soon it ends a job that hangs (the goal: every process gone within ``watchdog.timeout_s`` + 30 s).
 
 Under torchrun with 4 CPU processes (gloo), ``cpu_tp2_dp2`` trains with ``watchdog.timeout_s`` 20 (a beat every
 second: the most frequent the guard beats; the default 600 beats every 5 s). Two figures per back end:
@@ -13,7 +14,13 @@ second: the most frequent the guard beats; the default 600 beats every 5 s). Two
   The heartbeat waits on the store's socket without the GIL, so its wall time per beat is an upper bound of what
   it takes from the main thread.
 
+``--hangs`` runs the end-to-end cases of tests/dist/test_watchdog.py (the same launches, imported from there) and
+prints, per case, the seconds from the fault until the triage report was out, until the last live rank was gone,
+and until the launcher itself exited: a stopped rank under torchrun and (rank 0) under the deepspeed launcher, by
+hand a killed rank 0, a stopped store host and a wrong master address, a pre-flight group that never completes.
+
 Usage: python bench/watchdog.py [--blocks 8] [--steps 5] [--backend native]   (relaunches itself under torchrun)
+       python bench/watchdog.py --hangs [--cases sigstop,deepspeed,...]
 
 A benchmark, not plugin code: it imports torch.
 """
@@ -124,13 +131,85 @@ def worker(backend: str | None, blocks: int, steps: int) -> None:
     engine.close()
 
 
+HANGS = {  # name -> (what, launcher, timeout_s of its recipe, the case's function in tests/dist/test_watchdog.py)
+    "sigstop": ("rank 3 of tp2 x pp2 native stopped (SIGSTOP)", "torchrun", "TIMEOUT_S", "sigstop_native"),
+    "deepspeed": ("rank 0 of tp2 x pp2 DeepSpeed stopped (SIGSTOP)", "deepspeed", "TIMEOUT_S", "sigstop_deepspeed"),
+    "killed": ("rank 0 of dp2 killed (SIGKILL)", "by hand", "HAND_TIMEOUT_S", "killed_case"),
+    "store": ("rank 0 of dp2 and its store child stopped", "by hand", "HAND_TIMEOUT_S", "store_stopped_case"),
+    "master": ("rank 1 of dp2 with a wrong master address", "by hand", "HAND_TIMEOUT_S", "wrong_master_case"),
+    "preflight": ("rank 3 of tp2 x dp2 stalls in a group's pre-flight", "torchrun", "TIMEOUT_S",
+                  "preflight_group_case"),
+}
+
+
+def _guard_lines(stderr: str) -> str:
+    """The guard's lines and its report (indented lines after its header), as a run printed them."""
+    out, in_report = [], False
+    for line in stderr.splitlines():
+        if line.startswith("watchdog: "):
+            out.append(line)
+            in_report = line.startswith("watchdog: the job stopped")
+        elif in_report and line.startswith("  "):
+            out.append(line)
+        else:
+            in_report = False
+    return "\n".join(out)
+
+
+def hangs(names: list[str], show: bool) -> None:
+    """Each case once, then the table (seconds from the fault; the wrong master address: from the launch);
+    ``show``: each case's lines from the guard too."""
+    import tempfile
+
+    from tests.dist import test_watchdog as cases
+    from tests.dist.runs import release_deepspeed_shm
+
+    runs = {
+        "sigstop_native": lambda tmp, paths: cases.sigstop_case(tmp, paths, "tp2_pp2", "torchrun", 3, 3),
+        "sigstop_deepspeed": lambda tmp, paths: cases.sigstop_case(tmp, paths, "tp2_pp2_ds", "deepspeed", 0, 3),
+    }
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        paths = cases.make_recipes(tmp)
+        for name in names:
+            what, launcher, timeout, fn = HANGS[name]
+            timeout_s = getattr(cases, timeout)
+            run = (runs.get(fn) or getattr(cases, fn))(tmp, paths)
+            if "--master_port" in run.cmd:
+                release_deepspeed_shm(run.cmd[run.cmd.index("--master_port") + 1])
+            live = [t for r, t in run.gone.items() if r != run.hung or name == "preflight"]
+            rows.append((what, launcher, timeout_s, run.reported, max(live, default=None), run.ended))
+            print(f"{name}: gone {run.gone}, report {run.reported}, launcher {run.ended}, exit {run.proc.returncode}",
+                  file=sys.stderr, flush=True)
+            if show:
+                print(_guard_lines(run.stderr), file=sys.stderr, flush=True)
+
+    def s(v) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    print(f"{'case':<50} {'launcher':<10} {'timeout_s':>9} {'report s':>9} {'live gone s':>12} {'launcher out s':>15} "
+          f"{'goal s':>7}")
+    for what, launcher, timeout_s, reported, gone, ended in rows:
+        print(f"{what:<50} {launcher:<10} {timeout_s:>9} {s(reported):>9} {s(gone):>12} {s(ended):>15} "
+              f"{timeout_s + 30:>7}")
+    print("seconds from the fault (the wrong master address: from the launch); launcher out '-': it never ends by "
+          "itself (a stopped rank 0 the silent store's peers cannot see: the bench kills it)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=8, help="blocks of steps, on and off in turn (default 8)")
     p.add_argument("--steps", type=int, default=5, help="steps per block (default 5)")
     p.add_argument("--backend", choices=["deepspeed", "native"], help="default: the plugin's choice")
+    p.add_argument("--hangs", action="store_true", help="time the end-to-end hang cases instead of the cost")
+    p.add_argument("--cases", default=",".join(HANGS), help=f"with --hangs: which, of {', '.join(HANGS)}")
+    p.add_argument("--show", action="store_true", help="with --hangs: print each case's lines from the guard")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.hangs:
+        hangs(args.cases.split(","), args.show)
+        return
     if args.worker:
         worker(args.backend, args.blocks, args.steps)
         return

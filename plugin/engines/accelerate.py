@@ -173,14 +173,6 @@ class AccelerateEngine(Engine):
 
             state.after_load(self, manifest)
 
-    def close(self) -> None:
-        if self.mode == "deepspeed" and torch.distributed.is_initialized():
-            from .shm import release_shm_buffer
-
-            torch.distributed.barrier()
-            release_shm_buffer(torch.distributed.get_rank())  # DeepSpeed's comm op leaks it (see there)
-        super().close()
-
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds (:mod:`plugin.engines.memory`), as for the other back ends."""
         from .memory import deepspeed_state_bytes, held_bytes
@@ -269,6 +261,10 @@ def build(ctx: BuildContext) -> AccelerateEngine:
                       gradient_accumulation_steps=layout.grad_accum, **plugins)
     _check_accelerator(acc, mode, env.world_size)
     ctx.joined()  # the hang guard starts, and checks that every rank runs this recipe at this layout
+    if mode == "deepspeed":
+        from .shm import release_mapped_shm_buffer
+
+        release_mapped_shm_buffer()  # DeepSpeed's CPU all-reduce buffer: no end of the job leaves it in /dev/shm
     groups = build_groups(ctx.topology, timeout=ctx.pg_timeout)
     if ctx.on_meta and mode == "deepspeed" and recipe.zero.stage == 3:
         # as on the DeepSpeed engine: each unit partitioned over the world as it is made (zero.Init(module=)),

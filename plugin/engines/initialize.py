@@ -258,8 +258,9 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
         if guard is not None:
             guard.attach(engine)  # every group's timeout, the phase hooks, one all-reduce per group (pre-flight)
             engine.guard = guard
-    except BaseException:
+    except BaseException as e:
         if guard is not None:  # every rank refuses alike here (a failing rank alone: its peers' guards report it)
+            guard.start_failed(e)  # a rendezvous that never completed: the ranks that never reached it, named
             guard.stop()
             guard.release()
         raise

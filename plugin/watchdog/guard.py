@@ -3,8 +3,10 @@
 Lifecycle (driven by :func:`plugin.engines.initialize.initialize`; ``Engine.close`` ends it):
 
 1. :func:`prepare`, before the back end builds anything: the job's directory, on CUDA the NCCL environment
-   (:func:`plugin.watchdog.settings.nccl_env`), and on rank 0, where no launcher agent serves the store, the forked
-   store server (:mod:`.store`). A world of one gets no guard.
+   (:func:`plugin.watchdog.settings.nccl_env`), on rank 0, where no launcher agent serves the store, the forked
+   store server (:mod:`.store`), and the check-in at the rendezvous store (:mod:`.arrival`; a start that fails
+   before the group exists gets :meth:`Guard.start_failed`, which names the ranks that never reached it). A world of
+   one gets no guard.
 2. :meth:`Guard.join`, once the world's process group exists (each back end calls it through
    ``BuildContext.joined``): the store client, the first ledger, the heartbeat thread, the hook on uncaught
    exceptions, and the pre-flight's first half (every rank runs the same recipe at the same layout).
@@ -18,7 +20,11 @@ numbers); at each beat it also beats (a counter in the store), looks at its succ
 each rank is watched by one other, a few store calls per beat whatever the world size), and at whether another
 rank declared a timeout. A silent successor for ``timeout_s``, a collective that waited ``timeout_s`` (gloo raises
 it in the waiting thread; the guard catches it as it leaves the script uncaught; on NCCL the thread reads the
-flight recorder), or a declared timeout: :meth:`Guard.stall`, the report, the exit.
+flight recorder), or a declared timeout: :meth:`Guard.stall`, the report, the exit. Every store call is bounded
+(:class:`~plugin.watchdog.store.BoundedStore`): a store that does not answer for ``timeout_s`` (its host stopped) ends
+the job too, each rank's line naming rank 0, on whose host the store runs. Once the report is out, a named rank whose
+process is stopped on a live rank's host is ended with SIGKILL: every launcher would wait for it (DeepSpeed's 30 s
+after its SIGTERM, which a stopped process never acts on).
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -35,9 +42,10 @@ from pathlib import Path
 
 from ..distributed.topology import Topology
 from . import settings
+from .arrival import Arrival
 from .ledger import Ledger
-from .store import StoreServer, agent_serves_store, guard_store
-from .verdict import judge
+from .store import StoreServer, StoreSilent, agent_serves_store, guard_store
+from .verdict import judge, store_silent_line
 
 _GENERATION = itertools.count()  # guards started in this process: the same count on every rank (same build order)
 # gloo: "Timed out waiting 20000ms for recv operation", "Application timeout caused pair closure" (a peer's gloo gave up
@@ -59,21 +67,27 @@ def prepare(recipe, env, device_type: str, job_dir=None) -> Guard | None:
         if env.is_main:
             for note in notes:
                 print(f"watchdog: {note}", file=sys.stderr, flush=True)
+    prefix = f"plugin-watchdog/{settings.run_id(os.environ)}/{next(_GENERATION)}/"
     server = None
     if env.rank == 0 and not agent_serves_store(os.environ):
-        server = StoreServer.start(linger_s=settings.settle_s(timeout_s) + 30)
-    return Guard(recipe, env, directory, server, "nccl" if device_type == "cuda" else "gloo")
+        server = StoreServer.start(linger_s=settings.settle_s(timeout_s) + 30, prefix=prefix)
+    guard = Guard(recipe, env, directory, server, "nccl" if device_type == "cuda" else "gloo", prefix)
+    guard.arrival = Arrival(os.environ, env.rank, env.world_size, timeout_s, prefix)
+    return guard
 
 
 class Guard:
-    def __init__(self, recipe, env, directory: Path, server: StoreServer | None, backend: str):
+    def __init__(self, recipe, env, directory: Path, server: StoreServer | None, backend: str, prefix: str):
         self.recipe, self.rank, self.world = recipe, env.rank, env.world_size
         self.timeout_s = float(recipe.watchdog.timeout_s)
         self.beat_s = settings.beat_s(self.timeout_s)
         self.directory, self.server, self.backend = directory, server, backend
         self.topology = Topology(**_sizes(recipe.layout(env.world_size)))
         self.ledger = Ledger(env.rank)
+        self.prefix = prefix  # the keys of this guard's job in the store (the same on every rank)
+        self.arrival: Arrival | None = None
         self.store = self.address = None
+        self.store_host: dict | None = None  # rank 0's first ledger: the host the store runs on, for a silent store
         self.groups: dict[str, tuple] = {}
         self.hooks = None
         self._stop = threading.Event()
@@ -95,8 +109,9 @@ class Guard:
         from .preflight import agree_on_layout
 
         self.ledger.enter("build")
-        prefix = f"plugin-watchdog/{settings.run_id(os.environ)}/{next(_GENERATION)}/"
-        self.store, self.address = guard_store(os.environ, self.rank, self.server, prefix, self.timeout_s)
+        if self.arrival is not None:
+            self.arrival.stop()
+        self.store, self.address = guard_store(os.environ, self.rank, self.server, self.prefix, self.timeout_s)
         self.groups = collectives.groups_of_this_rank()
         self._publish()
         self.store.set(f"groups/{self.rank}", json.dumps({n: list(r) for n, (_, r) in self.groups.items()}))
@@ -108,6 +123,8 @@ class Guard:
         # exception", SIGABRT after a run that trained right)
         atexit.register(self.stop)
         agree_on_layout(self, device)
+        if self.store.check(["ledger/0"]):  # every rank published before the all-gather: rank 0's is there
+            self.store_host = json.loads(self.store.get("ledger/0"))
 
     def attach(self, engine) -> None:
         """The engine exists: every group's timeout, the phase hooks, one all-reduce per group (pre-flight 2)."""
@@ -134,6 +151,21 @@ class Guard:
             self.hooks = None  # stop() runs again at exit (atexit): once is enough
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._previous_hook
+        if self.arrival is not None:
+            self.arrival.stop()
+        if self.store is not None:
+            self.store.close()
+
+    def start_failed(self, exc: BaseException) -> None:
+        """``initialize`` failed on this rank before the world's group existed (``exc``): when the rendezvous never
+        completed, this rank's line names the ranks that never checked in, or this rank's unreachable address."""
+        if self.store is not None or self.arrival is None or not distributed_failure(exc):
+            return
+        self.arrival.stop()
+        line = self.arrival.line(self.topology)
+        if line:
+            sys.stderr.flush()
+            os.write(sys.stderr.fileno(), (line + "\n").encode())
 
     def release(self) -> None:
         """Rank 0, after the last barrier: end the store server."""
@@ -142,13 +174,15 @@ class Guard:
             self.server = None
 
     # ------------------------------------------------------------------ the heartbeat
-    def _publish(self, **final) -> dict:
+    def _entry(self, **final) -> dict:
         from .collectives import sequence_numbers
 
         entry = self.ledger.record()
         entry.update(t=time.time(), seqs=sequence_numbers(self.groups), **final)
-        self.store.set(f"final/{self.rank}" if final else f"ledger/{self.rank}", json.dumps(entry))
         return entry
+
+    def _publish(self) -> None:
+        self.store.set(f"ledger/{self.rank}", json.dumps(self._entry()))
 
     def _beat(self) -> None:
         successor = (self.rank + 1) % self.world
@@ -223,22 +257,29 @@ class Guard:
 
         try:
             entries = flight_record(only_active=False)
-            final = self._publish(final=True, pending=self._pending(entries), latest=latest(entries), cause=cause or "",
-                                  traceback=self._traceback[-4000:])
+            final = self._entry(final=True, pending=self._pending(entries), latest=latest(entries), cause=cause or "",
+                                traceback=self._traceback[-4000:])
             self._write(final)
+            self.store.set(f"final/{self.rank}", json.dumps(final))
             if cause:
                 self.store.compare_set("cause", "", cause)
             self.store.add("declared", 1)
             self._report()
         except Exception as e:  # noqa: BLE001 - no store: say what this rank knows, from its own ledger
-            print(f"watchdog: rank {self.rank} stops: {cause or 'a peer declared a timeout'} (no report: the "
-                  f"watchdog's store failed: {type(e).__name__}: {e}); ledger in {self.directory}",
-                  file=sys.stderr, flush=True)
+            print(self._no_report_line(cause, e), file=sys.stderr, flush=True)
         finally:
             abort_all()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(settings.EXIT_HUNG)
+
+    def _no_report_line(self, cause: str | None, error: Exception) -> str:
+        if isinstance(error, StoreSilent):  # the store's host holds the job: rank 0's (its child, or the agent)
+            return store_silent_line(self.rank, self.topology, 0, self.store_host, _process_state(self.store_host),
+                                     self.address, self.store.silent_s, agent_serves_store(os.environ)) + \
+                f"; ledger in {self.directory}"
+        return (f"watchdog: rank {self.rank} stops: {cause or 'a peer declared a timeout'} (no report: the watchdog's "
+                f"store failed: {type(error).__name__}: {error}); ledger in {self.directory}")
 
     def _pending(self, entries: list[dict]) -> list[dict]:
         """What this rank waits in now: the flight recorder's pending ops, else (gloo retired them as it gave up) those
@@ -284,6 +325,9 @@ class Guard:
             deadline = time.monotonic() + settings.settle_s(self.timeout_s) + 5
             while not self.store.check(["reported"]) and time.monotonic() < deadline:
                 time.sleep(0.1)
+        for n in verdict.named:  # stopped on this host (/proc): no launcher's SIGTERM ends it, and each waits for it
+            if n.why == "stopped":
+                _kill(int(ledgers[n.rank]["pid"]))
 
     def _gather(self, deadline: float) -> tuple[set[int], dict]:
         """Wait until every rank posted its final ledger or its beat stood still two beats long (or ``deadline``)."""
@@ -336,7 +380,14 @@ def short(exc: BaseException) -> str:
     return re.sub(r"^\[[^\]]*\]\s*", "", text)[:240]
 
 
-def _process_state(entry: dict) -> str | None:
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:  # gone meanwhile, or not ours
+        pass
+
+
+def _process_state(entry: dict | None) -> str | None:
     """``stopped`` / ``gone`` / ``running`` for a rank's process on this host (``/proc``), else None."""
     import socket
 

@@ -10,13 +10,20 @@ client's timeout does not bound it). So rank 0 forks a small child that serves a
 rendezvous store once the group is up; the child serves on when rank 0 stops or dies, long enough for the others to
 report, and ends with its parent.
 
+Every call the guard makes goes through :class:`BoundedStore`: a store whose host is stopped or frozen as a whole
+(rank 0 with its forked child, a node paused, torchrun's agent stopped) never answers, and a guard blocked in it would
+hold the job as long as the hang it exists to end.
+
 Keys live under ``plugin-watchdog/<run>/`` (:func:`plugin.watchdog.settings.run_id`), so a restart of the same job
 (torchrun's restart count is part of ``<run>``) never reads a previous attempt's ledgers.
 """
 from __future__ import annotations
 
+import functools
 import os
+import queue
 import signal
+import threading
 import time
 from collections.abc import Mapping
 from datetime import timedelta
@@ -36,9 +43,10 @@ class StoreServer:
         self.pid, self.port = pid, port
 
     @classmethod
-    def start(cls, linger_s: float) -> StoreServer:
+    def start(cls, linger_s: float, prefix: str = "") -> StoreServer:
         """Fork the server (call before any process group exists: the child must not inherit their threads). Once
-        its parent is gone it serves ``linger_s`` more seconds (the survivors' reports), then exits."""
+        its parent is gone it serves until the guard's key ``reported`` under ``prefix`` is set (the survivors'
+        report is out) and 5 s more, at most ``linger_s`` seconds, then exits."""
         read, write = os.pipe()
         parent = os.getpid()
         pid = os.fork()
@@ -46,7 +54,7 @@ class StoreServer:
             code = 1
             try:
                 os.close(read)
-                _serve(write, parent, linger_s)
+                _serve(write, parent, linger_s, prefix)
                 code = 0
             finally:
                 os._exit(code)
@@ -66,16 +74,76 @@ class StoreServer:
             pass
 
 
-def _serve(write_fd: int, parent: int, linger_s: float) -> None:
+class StoreSilent(RuntimeError):
+    """The watchdog's store did not answer a call within the guard's limit."""
+
+
+class BoundedStore:
+    """``store``'s methods (``set``, ``get``, ``add``, ``check``, ...), each given up after ``limit_s``: one worker
+    thread makes the calls in order, and while it has been inside one call for ``limit_s`` (the store's server
+    stopped: it never returns), that call's caller and every later one get :class:`StoreSilent` at once.
+    :attr:`silent_s` says how long the store has not answered; :meth:`close` ends the worker."""
+
+    def __init__(self, store, limit_s: float):
+        self.store, self.limit_s = store, float(limit_s)
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._since: float | None = None  # when the worker entered the call it is in (time.monotonic); None: idle
+        self._worker = threading.Thread(target=self._work, daemon=True, name="watchdog-store")
+        self._worker.start()
+
+    def __getattr__(self, name: str):
+        return functools.partial(self._call, getattr(self.store, name))
+
+    @property
+    def silent_s(self) -> float:
+        since = self._since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def _call(self, method, *args):
+        done, box = threading.Event(), []
+        self._calls.put((method, args, done, box))
+        while not done.wait(0.25):
+            if self.silent_s >= self.limit_s:
+                raise StoreSilent(f"no answer for {self.silent_s:.0f} s")
+            if not self._worker.is_alive():
+                raise StoreSilent("the guard's store client is closed")
+        value, error = box
+        if error is not None:
+            raise error
+        return value
+
+    def _work(self) -> None:
+        while True:
+            item = self._calls.get()
+            if item is None:
+                return
+            method, args, done, box = item
+            self._since = time.monotonic()
+            try:
+                box[:] = [method(*args), None]
+            except Exception as e:  # noqa: BLE001 - the caller raises it
+                box[:] = [None, e]
+            finally:
+                self._since = None
+                done.set()
+
+    def close(self) -> None:
+        """End the worker once the calls before this one are done (not waiting for a store that does not answer)."""
+        self._calls.put(None)
+        self._worker.join(timeout=min(self.limit_s, 5.0))
+
+
+def _serve(write_fd: int, parent: int, linger_s: float, prefix: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):  # whatever handlers the training script installed are not ours
         signal.signal(sig, signal.SIG_DFL)
     null = os.open(os.devnull, os.O_RDWR)  # a lingering child must not hold the launcher's pipes open
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     try:
-        from torch.distributed import TCPStore
+        from torch.distributed import PrefixStore, TCPStore
 
         server = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        done = PrefixStore(prefix, server)
         os.write(write_fd, str(server.port).encode())
     except Exception as e:  # the parent reads the reason instead of a port
         os.write(write_fd, f"{type(e).__name__}: {e}".encode()[:500])
@@ -84,7 +152,10 @@ def _serve(write_fd: int, parent: int, linger_s: float) -> None:
         os.close(write_fd)
     while os.getppid() == parent:
         time.sleep(0.5)
-    time.sleep(linger_s)
+    deadline = time.monotonic() + linger_s
+    while time.monotonic() < deadline and not (prefix and done.check(["reported"])):
+        time.sleep(0.5)
+    time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))  # the last readers of the report's keys
 
 
 def connect(host: str, port: int, prefix: str, timeout_s: float = 30.0):
@@ -98,7 +169,8 @@ def connect(host: str, port: int, prefix: str, timeout_s: float = 30.0):
 def guard_store(environ: Mapping[str, str], rank: int, server: StoreServer | None, prefix: str,
                 timeout_s: float):
     """``(store, "host:port")`` for this rank's guard, once the default process group exists: the agent's store, or
-    the one rank 0's :class:`StoreServer` serves (its port published through the rendezvous store)."""
+    the one rank 0's :class:`StoreServer` serves (its port published through the rendezvous store), as a
+    :class:`BoundedStore` whose calls give up after ``timeout_s``."""
     import torch.distributed as dist
 
     host = environ.get("MASTER_ADDR", "127.0.0.1")
@@ -110,4 +182,4 @@ def guard_store(environ: Mapping[str, str], rank: int, server: StoreServer | Non
             assert server is not None, "rank 0 starts the watchdog's store server before any process group"
             rendezvous.set(ADDRESS_KEY, str(server.port))
         port = int(rendezvous.get(ADDRESS_KEY).decode())
-    return connect(host, port, prefix, timeout_s), f"{host}:{port}"
+    return BoundedStore(connect(host, port, prefix, timeout_s), timeout_s), f"{host}:{port}"

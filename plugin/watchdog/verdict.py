@@ -22,6 +22,12 @@ from dataclasses import dataclass, field
 
 from .ledger import coord_words, doing, group_kind, group_words
 
+# gloo's words for a peer that is gone (its process died, its host is out of reach): the job stops at once
+LOST = ("Connection closed by peer", "Connection reset by peer")
+# what /proc says of a silent rank's process (plugin.watchdog.guard reads it) -> (Named.why, words)
+STATE_WORDS = {"stopped": ("stopped", "stopped (its process is in state T: SIGSTOP or a debugger)"),
+               "gone": ("gone", "dead (its process has exited)")}
+
 
 @dataclass(frozen=True)
 class Wait:
@@ -79,7 +85,9 @@ class Verdict:
 
     def report(self) -> str:
         """The triage report: what each named rank last did, what every other rank waits for."""
-        out = [f"watchdog: the job stopped after {self.timeout_s:g} s without progress: {self.cause}"]
+        how = "at once, a peer lost" if any(m in self.cause for m in LOST) else \
+            f"after {self.timeout_s:g} s without progress"
+        out = [f"watchdog: the job stopped {how}: {self.cause}"]
         if self.named:
             out.append("  held by:")
         for n in self.named:
@@ -92,6 +100,8 @@ class Verdict:
                 entered = self._entered(n.rank, entry)
                 if entered:
                     out.append(f"      last collectives entered: {entered}")
+            if n.why == "stopped":  # on this host: the guard ends it, or every launcher waits for it (DeepSpeed 30 s)
+                out.append("      ended with SIGKILL after this report (a launcher would wait for a stopped process)")
         waiting = [r for r in sorted(self.live) if self.waits.get(r)]
         if waiting:
             out.append("  waiting:")
@@ -161,9 +171,7 @@ def judge(topology, ledgers: Mapping[int, Mapping], live: set[int], groups: Mapp
             named.append(Named(r, "never started", "never started: no heartbeat at all"))
             continue
         silent = max(0.0, now - float(entry.get("t", now)))
-        why, words = {"stopped": ("stopped", "stopped (its process is in state T: SIGSTOP or a debugger)"),
-                      "gone": ("gone", "dead (its process has exited)")}.get(states.get(r),
-                                                                             ("silent", "stopped or dead"))
+        why, words = STATE_WORDS.get(states.get(r), ("silent", "stopped or dead"))
         named.append(Named(r, why, f"{words}: no heartbeat for {silent:.0f} s"))
     waited = {o for ws in waits.values() for w in ws for o in w.waiting_for}
     for r in sorted(waited & live):
@@ -249,3 +257,60 @@ def layout_disagreement(rows: Sequence[tuple[int, int, int, int]], hosts: Mappin
         lines.append(f"  {'rank' if len(ranks) == 1 else 'ranks'} {ranges(ranks)}{on}: data {dp} x tensor {tp} x "
                      f"pipeline {pp} (recipe digest {digest})")
     return "\n".join(lines)
+
+
+def store_silent_line(me: int, topology, store_rank: int, entry: Mapping | None, state: str | None, address: str,
+                      silent_s: float, agent: bool) -> str:
+    """The one line rank ``me`` prints when the watchdog's store itself has not answered for ``silent_s``: nobody's
+    ledger can be read, so there is no report; the job is held by ``store_rank``, on whose host the store runs
+    (``agent``: torchrun's agent serves it; else a process that rank forked), in ``state`` (what ``/proc`` says of
+    that rank's process on this host, else None).
+
+    >>> from plugin.distributed.topology import Topology
+    >>> print(store_silent_line(1, Topology(dp_size=2), 0, {"host": "a", "pid": 7}, "stopped", "a:9", 21, False))
+    watchdog: rank 1 stops, the job is held by rank 0: data 0, tensor 0, pipeline 0 on a (pid 7) (stopped ...; the ...
+    >>> print(store_silent_line(1, Topology(dp_size=2), 0, None, None, "a:9", 21, True))
+    watchdog: ... by rank 0: data 0, ... (its host stopped, or out of reach; ... by torchrun's agent on its host, ...
+    """
+    where = f" on {entry['host']} (pid {entry['pid']})" if entry else ""
+    words = "its process runs" if state == "running" else \
+        STATE_WORDS.get(state, ("", "its host stopped, or out of reach"))[1]
+    served = "torchrun's agent on its host" if agent else f"a process rank {store_rank} forked"
+    return (f"watchdog: rank {me} stops, the job is held by rank {store_rank}: {coord_words(topology, store_rank)}"
+            f"{where} ({words}; the watchdog's store at {address}, served by {served}, has not answered for "
+            f"{silent_s:.0f} s, so no report: it holds every rank's ledger)")
+
+
+def rendezvous_line(me: int, topology, arrived: set[int] | None, address: str, waited_s: float,
+                    error: str = "") -> str | None:
+    """The one line rank ``me`` prints when the world's rendezvous failed: ``arrived``, the ranks that checked in at
+    the rendezvous store at ``address`` (None: this rank never reached it, ``error`` says why). None when every rank
+    had checked in (the failure is another one).
+
+    >>> from plugin.distributed.topology import Topology
+    >>> t = Topology(dp_size=2, tp_size=2)
+    >>> print(rendezvous_line(0, t, {0, 1, 2}, "10.0.0.1:29500", 20))
+    watchdog: rank 0 stops, the rendezvous at 10.0.0.1:29500 did not complete in 20 s: rank 3: data 1, tensor 1, ...
+    >>> print(rendezvous_line(0, t, {0, 1, 2}, "10.0.0.1:29500", 20))
+    watchdog: ... pipeline 0 never reached it (ranks 0-2 did) -> start it with the MASTER_ADDR and MASTER_PORT the ...
+    >>> print(rendezvous_line(3, t, None, "10.0.0.9:29500", 20, "connect timed out"))
+    watchdog: rank 3 stops, it could not reach the rendezvous at 10.0.0.9:29500 (its MASTER_ADDR:MASTER_PORT) in ...
+    >>> rendezvous_line(0, t, {0, 1, 2, 3}, "10.0.0.1:29500", 20) is None  # every rank checked in: another failure
+    True
+    """
+    if arrived is None:
+        why = f" ({error})" if error else ""
+        return (f"watchdog: rank {me} stops, it could not reach the rendezvous at {address} (its "
+                f"MASTER_ADDR:MASTER_PORT) in {waited_s:.0f} s{why} -> give every rank rank 0's address and port (the "
+                "same --master_addr and --master_port on every node), reachable from this host")
+    missing = [r for r in range(topology.world_size) if r not in arrived]
+    if not missing:
+        return None
+    who = "; ".join(f"rank {r}: {coord_words(topology, r)}" for r in missing[:8])
+    more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+    did = f"{'rank' if len(arrived) == 1 else 'ranks'} {ranges(sorted(arrived))} did"
+    them, whose = ("it", "its launcher's") if len(missing) == 1 else ("them", "their launchers'")
+    return (f"watchdog: rank {me} stops, the rendezvous at {address} did not complete in {waited_s:.0f} s: {who}{more} "
+            f"never reached it ({did}) -> start {them} with the MASTER_ADDR and MASTER_PORT the others have "
+            f"({address}: {whose} --master_addr and "
+            "--master_port), from a host that reaches that address")

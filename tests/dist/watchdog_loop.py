@@ -5,7 +5,11 @@
 
 ``--sleep-rank R --sleep-at S``: after step S, rank R sleeps in this loop (not in the engine) for an hour.
 ``--other-rank R --other-recipe Q``: rank R runs recipe Q instead: its groups cannot match its peers'.
-Prints ``step N`` per step on rank 0 and ``sleeping`` on the sleeper before it sleeps.
+``--preflight-stall-rank R --preflight-stall-group tensor``: rank R, alive (its guard beats on), stalls for an hour as
+it reaches the pre-flight of its first tensor group, before that group's all-reduce (as a rank whose link to one peer
+is down would): its peers in that group wait in it.
+Prints ``step N`` per step on rank 0, ``sleeping`` on the sleeper before it sleeps, and ``stalls in the pre-flight``
+on the staller.
 """
 import argparse
 import os
@@ -26,9 +30,23 @@ p.add_argument("--sleep-rank", type=int)
 p.add_argument("--sleep-at", type=int, default=0)
 p.add_argument("--other-rank", type=int)
 p.add_argument("--other-recipe")
+p.add_argument("--preflight-stall-rank", type=int)
+p.add_argument("--preflight-stall-group", default="tensor")
 args, _ = p.parse_known_args()  # the deepspeed launcher adds --local_rank
 
 rank = int(os.environ.get("RANK", "0"))
+if rank == args.preflight_stall_rank:  # the pre-flight marks each group in the ledger before its all-reduce
+    from plugin.watchdog.ledger import Ledger
+
+    enter = Ledger.enter
+
+    def stalling(self, phase, detail="", peer=None):
+        enter(self, phase, detail, peer)
+        if phase == "preflight" and detail.startswith(f"the {args.preflight_stall_group} group"):
+            print(f"rank {rank} stalls in the pre-flight of {detail}", flush=True)
+            time.sleep(3600)
+
+    Ledger.enter = stalling
 recipe = plugin.load_recipe(args.other_recipe if rank == args.other_rank else args.recipe)
 with torch.device("meta"):
     model = GPT(GPTConfig.from_recipe_model(recipe.model))

@@ -51,7 +51,7 @@ from ..base import Engine
 from ..context import BuildContext
 from ..optim import build_optimizer
 from ..precision import compute_dtype
-from ..shm import release_shm_buffer
+from ..shm import release_mapped_shm_buffer
 from . import state, tied
 from .config import engine_config
 from .grad_norm import keep_grad_norm
@@ -194,15 +194,6 @@ class DeepSpeedEngine(Engine):
     def after_load(self, manifest):
         state.after_load(self, manifest)
 
-    def close(self) -> None:
-        """As every engine's, and unlink DeepSpeed's leaked shared-memory buffer (:func:`release_shm_buffer`)."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.barrier()
-            release_shm_buffer(dist.get_rank())
-        super().close()
-
     def state_bytes(self) -> dict[str, int]:
         from ..memory import deepspeed_state_bytes
 
@@ -240,6 +231,7 @@ def build(ctx: BuildContext) -> DeepSpeedEngine:
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False,
                                timeout=ctx.pg_timeout)
     ctx.joined()  # the hang guard starts, and checks that every rank runs this recipe at this layout
+    release_mapped_shm_buffer()  # DeepSpeed's CPU all-reduce buffer: no end of the job leaves it in /dev/shm
     topology = ctx.topology
     choice = choose_optimizer(recipe, device)
     if choice.note and ctx.env.is_main:

@@ -1,8 +1,9 @@
 """Who holds the job, judged from made-up ledgers (plugin.watchdog.verdict, pure): a stopped rank, a rank asleep in
-the user's loop, a pipeline chain, a rank that never started; and the words of the line and the report."""
+the user's loop, a pipeline chain, a rank that never started, a killed rank; a silent store, a rendezvous some rank
+never reached; and the words of the line and the report."""
 from plugin.distributed.topology import Topology
 from plugin.watchdog.ledger import Ledger, coord_words, doing, group_kind
-from plugin.watchdog.verdict import judge, layout_disagreement
+from plugin.watchdog.verdict import judge, layout_disagreement, rendezvous_line, store_silent_line
 
 TP2_DP2 = Topology(pp_size=1, dp_size=2, tp_size=2)
 GROUPS = {"0": [0, 1, 2, 3], "1": [0, 1], "2": [2, 3], "3": [0, 2], "4": [1, 3]}
@@ -40,6 +41,34 @@ def test_a_stopped_rank_is_named_with_its_coordinates_and_the_chain_behind_it():
     assert "rank 2: data 1, tensor 0, pipeline 0 waits in all_reduce #126 on the tensor group [2, 3] for 19 s: " \
            "for rank 3" in report
     assert "hosts: a: ranks 0-1; b: ranks 2-3" in report and "/j/watchdog/run" in report
+    assert report.startswith("watchdog: the job stopped after 20 s without progress: rank 2 heard no heartbeat")
+    # a stopped process on the reporter's host is ended after the report: the launcher would wait for it
+    assert "      ended with SIGKILL after this report" in report
+
+
+def test_a_killed_rank_is_named_dead_and_the_job_stops_at_once():
+    ledgers = {0: _entry(0, t=NOW - 1), 1: _entry(1, seqs={"0": 21})}
+    v = judge(Topology(dp_size=2), ledgers, {1}, {"0": [0, 1]}, now=NOW, timeout_s=10,
+              cause="rank 1: Connection closed by peer [127.0.0.1]:5", states={0: "gone"})
+    assert [(n.rank, n.why) for n in v.named] == [(0, "gone")]
+    assert "held by rank 0: data 0, tensor 0, pipeline 0 (dead (its process has exited): no heartbeat for 1 s)" \
+        in v.line(1)
+    assert v.report().startswith("watchdog: the job stopped at once, a peer lost: rank 1: Connection closed by peer")
+    assert "SIGKILL" not in v.report()  # only a stopped process is ended by the guard
+
+
+def test_a_silent_store_names_rank_0_and_a_failed_rendezvous_the_missing_ranks():
+    line = store_silent_line(3, TP2_DP2, 0, {"host": "a", "pid": 9}, None, "a:7", 20.4, agent=True)
+    assert line.startswith("watchdog: rank 3 stops, the job is held by rank 0: data 0, tensor 0, pipeline 0 on a "
+                           "(pid 9) (its host stopped, or out of reach; the watchdog's store at a:7, served by "
+                           "torchrun's agent on its host, has not answered for 20 s")
+    assert "(its process runs; the watchdog's store at a:7, served by a process rank 0 forked" in store_silent_line(
+        3, TP2_DP2, 0, {"host": "a", "pid": 9}, "running", "a:7", 20.4, agent=False)
+    assert "rank 0: data 0, tensor 0, pipeline 0; rank 3: data 1, tensor 1, pipeline 0 never reached it (ranks 1-2 " \
+           "did) -> start them" in rendezvous_line(1, TP2_DP2, {1, 2}, "a:7", 20)
+    assert rendezvous_line(2, TP2_DP2, None, "b:7", 21, "[Errno -2] Name or service not known").startswith(
+        "watchdog: rank 2 stops, it could not reach the rendezvous at b:7 (its MASTER_ADDR:MASTER_PORT) in 21 s "
+        "([Errno -2] Name or service not known) -> give every rank rank 0's address and port")
 
 
 def test_a_live_rank_in_its_own_code_is_named_and_a_waiting_one_is_not():
