@@ -85,6 +85,13 @@ def check_model_dims(recipe: Recipe, layout: Layout | None) -> Problems:
                        ("ffn_hidden", m.ffn_hidden_resolved)):
         if key == "kv_heads" and m.kv_heads is None:  # not written: it is heads, whose error says it all
             continue
+        if key == "kv_heads" and value % tp and tp % value == 0 and m.heads % tp == 0:
+            yield Problem("$.model.kv_heads", f"kv_heads {value} is fewer than tensor {tp}: each key/value head is "
+                          f"held whole by {tp // value} tensor ranks, which only a plan splitting keys and values by "
+                          "head does (transformers' unit_colwise, the plugin's column_heads); the reference GPT and "
+                          "column plans refuse it at initialize",
+                          f"use a tensor size that divides {value}, or such a plan", WARNING)
+            continue
         if value % tp:
             yield Problem(f"$.model.{key}", f"{key} {value} is not divisible by tensor {tp}: each tensor rank "
                           f"must hold whole {'heads' if 'heads' in key else 'columns'}",
