@@ -1,9 +1,10 @@
 """Tiny models of any transformers causal-LM family, from the product's own sizing (plugin.models.hf), for tests.
 
 ``tiny_config("mixtral")`` is the family's config sized by :data:`TINY` (hidden 64, 2 layers, 4 heads, 2 key/value
-heads where the family has grouped-query attention, else 4; MLP 128, vocabulary 96) with at most 4 experts, top-2,
-and short attention windows (8 tokens) where the family has sliding or chunked attention, so that a sequence of 16
-tokens already sees them. A few hundred thousand parameters; built in a fraction of a second.
+heads where the family has grouped-query attention (:data:`KV_HEADS` where fewer), else 4; MLP 128, vocabulary 96)
+with at most 4 experts, top-2, and short attention windows (8 tokens) where the family has sliding or chunked
+attention, so that a sequence of 16 tokens already sees them. A few hundred thousand parameters; built in a
+fraction of a second.
 
 The matrix of distributed tests reuses :data:`TP_FAMILIES` (the families trained at tensor 2 against one process,
 chosen so that every tensor-parallel style of transformers' causal-LM plans is exercised) and
@@ -19,6 +20,9 @@ from plugin.recipe.spec import Model
 
 TINY = Model(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=96, seq_len=64)
 EXPERTS = (4, 2)
+# family -> its tiny model's key/value heads where TINY's 2 would leave a style idle: minicpm5_moe's unit_colwise holds
+# its one key/value head whole on both tensor ranks, its gradient summed over them
+KV_HEADS = {"minicpm5_moe": 1}
 WINDOW = 8
 _WINDOW_KEYS = ("sliding_window", "attention_chunk_size", "sliding_window_size")
 
@@ -37,6 +41,8 @@ TP_FAMILIES = {
     "granite_swa": None,    # local_params (attention sinks split by head)
     "inkling2_text": None,  # replicate, rowwise_split_input
     "inkling_text": {"model.embed_tokens": "replicate"},  # all_reduce (its normed embedding: refused by "auto")
+    "minicpm5_moe": None,   # unit_colwise (one key/value head replicated over both ranks), gated attention
+    "kolibri1_1": None,     # a plan that leaves attention whole (its indexer must pick one set of keys), MLPs split
 }
 
 # family -> why "auto" refuses it at tensor 2 (a piece of the refusal's text)
@@ -45,7 +51,7 @@ TP_REFUSED = {
     "dory": "DoryLMHead, a subclass of Linear with a forward of its own",
     "inkling_text": "InklingNormedEmbedding, a subclass of Embedding with a forward of its own",
 }
-# family -> why no tiny model of it is built (a piece of the error's text): transformers 5.24's own defaults do not
+# family -> why no tiny model of it is built (a piece of the error's text): transformers 5.25's own defaults do not
 # build a model (the first three), or the recipe's layer count has no key of its own in the family's config
 NOT_BUILT = {
     "cohere_compass_text": "KeyError: 'full_attention'",
@@ -56,10 +62,14 @@ NOT_BUILT = {
 }
 
 
-def tiny_config(model_type: str, dims: Model = TINY, *, window: int | None = WINDOW):
-    """The family's config sized by ``dims`` (grouped-query heads dropped where the family has none or refuses
-    them), at most :data:`EXPERTS`, attention windows of ``window`` tokens (None: the family's own)."""
+def tiny_config(model_type: str, dims: Model | None = None, *, window: int | None = WINDOW):
+    """The family's config sized by ``dims`` (default :data:`TINY`, with the family's :data:`KV_HEADS`; grouped-query
+    heads dropped where the family has none or refuses them), at most :data:`EXPERTS`, attention windows of
+    ``window`` tokens (None: the family's own)."""
     from plugin.models.hf import family_config
+
+    if dims is None:
+        dims = dataclasses.replace(TINY, kv_heads=KV_HEADS.get(model_type, TINY.kv_heads))
 
     try:
         config = family_config(model_type, dims, experts=EXPERTS)
@@ -128,6 +138,7 @@ PP_FAMILIES = {
     "qwen3_next": "linear-attention (gated delta) layers with their own masks, partial rotary, mixture of experts",
     "deepseek_v3": "latent attention (MLA), dense then mixture-of-experts layers",
     "gpt_oss": "attention sinks, sliding/full masks, mixture of experts",
+    "minicpm5_moe": "gated attention (q_gate_proj), a dense first layer then mixture of experts with a shared one",
 }
 PP_OVERRIDES = {  # config values that make a feature act (the tiny config's defaults leave it at 1 or off)
     "phi3": {"rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.5, "rope_type": "default"}},
@@ -145,6 +156,7 @@ PP_REFUSED = {
     "gemma4_unified_text": "does more than hand the hidden states on ('if i == self.first_kv_shared_layer_idx",
     "glm_moe_dsa": "does more than hand the hidden states on (\"hidden_states, topk_indices = decoder_layer(",
     "phi4_multimodal": "['embed_tokens_extend'] outside its base_model_pp_plan holds parameters",
+    "kolibri1_1": "does more than hand the hidden states on ('if i in self.config.index_layers:'",
 }
 
 
