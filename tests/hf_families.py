@@ -183,8 +183,9 @@ def pp_model(model_type: str, dims: Model = PP_DIMS, seed: int = 0, overrides: d
 # the families the layouts combining axes train (tests/dist/test_family_matrix.py): tensor 2 x pipeline 2, ZeRO-3
 MATRIX_FAMILIES = list(PP_FAMILIES)
 # the pipeline overrides they train with: all but Cohere's per-head q/k norms, which its tp plan omits and tensor
-# parallelism refuses by name (tests/unit/tensor_parallel/test_tp_families.py)
-MATRIX_OVERRIDES = {**PP_OVERRIDES, "cohere": {}}
+# parallelism refuses by name (tests/unit/tensor_parallel/test_tp_families.py); minicpm5_moe with one key/value head,
+# held by both tensor ranks of each stage (KV_HEADS)
+MATRIX_OVERRIDES = {**PP_OVERRIDES, "cohere": {}, "minicpm5_moe": {"num_key_value_heads": KV_HEADS["minicpm5_moe"]}}
 
 
 def padded_batch(rows: int, vocab: int, seq: int, *, seed: int = 100, shortest: int = 6) -> dict:
