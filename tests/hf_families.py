@@ -41,7 +41,9 @@ TP_FAMILIES = {
     "granite_swa": None,    # local_params (attention sinks split by head)
     "inkling2_text": None,  # replicate, rowwise_split_input
     "inkling_text": {"model.embed_tokens": "replicate"},  # all_reduce (its normed embedding: refused by "auto")
-    "minicpm5_moe": None,   # unit_colwise (one key/value head replicated over both ranks), gated attention
+    # unit_colwise (one key/value head held by both ranks), gated attention; its auto entries written out: a recipe
+    # states kv_heads 1 at tensor 2 only with an explicit plan naming the per-head style (validate cannot see "auto")
+    "minicpm5_moe": {},
     "kolibri1_1": None,     # a plan that leaves attention whole (its indexer must pick one set of keys), MLPs split
 }
 
