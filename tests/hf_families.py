@@ -1,9 +1,10 @@
 """Tiny models of any transformers causal-LM family, from the product's own sizing (plugin.models.hf), for tests.
 
 ``tiny_config("mixtral")`` is the family's config sized by :data:`TINY` (hidden 64, 2 layers, 4 heads, 2 key/value
-heads where the family has grouped-query attention, else 4; MLP 128, vocabulary 96) with at most 4 experts, top-2,
-and short attention windows (8 tokens) where the family has sliding or chunked attention, so that a sequence of 16
-tokens already sees them. A few hundred thousand parameters; built in a fraction of a second.
+heads where the family has grouped-query attention (:data:`KV_HEADS` where fewer), else 4; MLP 128, vocabulary 96)
+with at most 4 experts, top-2, and short attention windows (8 tokens) where the family has sliding or chunked
+attention, so that a sequence of 16 tokens already sees them. A few hundred thousand parameters; built in a
+fraction of a second.
 
 The matrix of distributed tests reuses :data:`TP_FAMILIES` (the families trained at tensor 2 against one process,
 chosen so that every tensor-parallel style of transformers' causal-LM plans is exercised) and
@@ -19,6 +20,9 @@ from plugin.recipe.spec import Model
 
 TINY = Model(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=96, seq_len=64)
 EXPERTS = (4, 2)
+# family -> its tiny model's key/value heads where TINY's 2 would leave a style idle: minicpm5_moe's unit_colwise holds
+# its one key/value head whole on both tensor ranks, its gradient summed over them
+KV_HEADS = {"minicpm5_moe": 1}
 WINDOW = 8
 _WINDOW_KEYS = ("sliding_window", "attention_chunk_size", "sliding_window_size")
 
@@ -37,6 +41,10 @@ TP_FAMILIES = {
     "granite_swa": None,    # local_params (attention sinks split by head)
     "inkling2_text": None,  # replicate, rowwise_split_input
     "inkling_text": {"model.embed_tokens": "replicate"},  # all_reduce (its normed embedding: refused by "auto")
+    # unit_colwise (one key/value head held by both ranks), gated attention; its auto entries written out: a recipe
+    # states kv_heads 1 at tensor 2 only with an explicit plan naming the per-head style (validate cannot see "auto")
+    "minicpm5_moe": {},
+    "kolibri1_1": None,     # a plan that leaves attention whole (its indexer must pick one set of keys), MLPs split
 }
 
 # family -> why "auto" refuses it at tensor 2 (a piece of the refusal's text)
@@ -45,7 +53,7 @@ TP_REFUSED = {
     "dory": "DoryLMHead, a subclass of Linear with a forward of its own",
     "inkling_text": "InklingNormedEmbedding, a subclass of Embedding with a forward of its own",
 }
-# family -> why no tiny model of it is built (a piece of the error's text): transformers 5.24's own defaults do not
+# family -> why no tiny model of it is built (a piece of the error's text): transformers 5.25's own defaults do not
 # build a model (the first three), or the recipe's layer count has no key of its own in the family's config
 NOT_BUILT = {
     "cohere_compass_text": "KeyError: 'full_attention'",
@@ -56,10 +64,14 @@ NOT_BUILT = {
 }
 
 
-def tiny_config(model_type: str, dims: Model = TINY, *, window: int | None = WINDOW):
-    """The family's config sized by ``dims`` (grouped-query heads dropped where the family has none or refuses
-    them), at most :data:`EXPERTS`, attention windows of ``window`` tokens (None: the family's own)."""
+def tiny_config(model_type: str, dims: Model | None = None, *, window: int | None = WINDOW):
+    """The family's config sized by ``dims`` (default :data:`TINY`, with the family's :data:`KV_HEADS`; grouped-query
+    heads dropped where the family has none or refuses them), at most :data:`EXPERTS`, attention windows of
+    ``window`` tokens (None: the family's own)."""
     from plugin.models.hf import family_config
+
+    if dims is None:
+        dims = dataclasses.replace(TINY, kv_heads=KV_HEADS.get(model_type, TINY.kv_heads))
 
     try:
         config = family_config(model_type, dims, experts=EXPERTS)
@@ -128,6 +140,7 @@ PP_FAMILIES = {
     "qwen3_next": "linear-attention (gated delta) layers with their own masks, partial rotary, mixture of experts",
     "deepseek_v3": "latent attention (MLA), dense then mixture-of-experts layers",
     "gpt_oss": "attention sinks, sliding/full masks, mixture of experts",
+    "minicpm5_moe": "gated attention (q_gate_proj), a dense first layer then mixture of experts with a shared one",
 }
 PP_OVERRIDES = {  # config values that make a feature act (the tiny config's defaults leave it at 1 or off)
     "phi3": {"rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.5, "rope_type": "default"}},
@@ -145,6 +158,7 @@ PP_REFUSED = {
     "gemma4_unified_text": "does more than hand the hidden states on ('if i == self.first_kv_shared_layer_idx",
     "glm_moe_dsa": "does more than hand the hidden states on (\"hidden_states, topk_indices = decoder_layer(",
     "phi4_multimodal": "['embed_tokens_extend'] outside its base_model_pp_plan holds parameters",
+    "kolibri1_1": "does more than hand the hidden states on ('if i in self.config.index_layers:'",
 }
 
 
@@ -171,8 +185,9 @@ def pp_model(model_type: str, dims: Model = PP_DIMS, seed: int = 0, overrides: d
 # the families the layouts combining axes train (tests/dist/test_family_matrix.py): tensor 2 x pipeline 2, ZeRO-3
 MATRIX_FAMILIES = list(PP_FAMILIES)
 # the pipeline overrides they train with: all but Cohere's per-head q/k norms, which its tp plan omits and tensor
-# parallelism refuses by name (tests/unit/tensor_parallel/test_tp_families.py)
-MATRIX_OVERRIDES = {**PP_OVERRIDES, "cohere": {}}
+# parallelism refuses by name (tests/unit/tensor_parallel/test_tp_families.py); minicpm5_moe with one key/value head,
+# held by both tensor ranks of each stage (KV_HEADS)
+MATRIX_OVERRIDES = {**PP_OVERRIDES, "cohere": {}, "minicpm5_moe": {"num_key_value_heads": KV_HEADS["minicpm5_moe"]}}
 
 
 def padded_batch(rows: int, vocab: int, seq: int, *, seed: int = 100, shortest: int = 6) -> dict:

@@ -5,7 +5,8 @@ of the unsharded tensor (its offsets; its sizes are the view's shape) and a view
 holds exactly that box, so a save writes the view and a load fills it in place. Three kinds of sharding compose:
 
 * tensor parallelism (:func:`tp_segments`): a tensor rank's slice, plain, packed (``parts``), padded
-  (vocabularies: padding rows are never written or read) or transposed (a transformers ``Conv1D`` holds
+  (vocabularies: padding rows are never written or read), replicated (``replicas`` ranks hold each slice, key/value
+  heads fewer than the ranks: they write the same box) or transposed (a transformers ``Conv1D`` holds
   ``[in, out]``; the TP layer records that, it is never guessed from shapes);
 * what the data-parallel engine keeps of the TP-local tensor: the whole of it (DDP), FSDP2's row range, or a
   DeepSpeed flat range (:func:`flat_range_boxes`);
@@ -57,15 +58,17 @@ class TensorLayout:
     parts: int = 1
     padding: int = 0
     transposed: bool = False
+    replicas: int = 1
 
 
 def layout_of(param: torch.Tensor) -> TensorLayout:
     """The tensor-parallel layout of a (TP-local) parameter; take it before FSDP2 replaces the parameter."""
-    if not getattr(param, "tensor_model_parallel", False):
+    replicas = int(getattr(param, "partition_replicas", 1))
+    if not getattr(param, "tensor_model_parallel", False) and replicas == 1:  # a replica past the first is unmarked
         return TensorLayout()
     return TensorLayout(True, int(param.partition_dim), int(getattr(param, "partition_stride", 1)),
                         int(getattr(param, "partition_padding", 0)),
-                        bool(getattr(param, "partition_transposed", False)))
+                        bool(getattr(param, "partition_transposed", False)), replicas)
 
 
 def flat_range_boxes(shape, start: int, end: int) -> list[tuple[int, tuple, tuple]]:
@@ -109,6 +112,7 @@ def tp_segments(local_shape, global_shape, layout: TensorLayout, tp_rank: int = 
         if local_shape != want:
             raise ValueError(f"local tensor {local_shape} is not the whole tensor {global_shape}")
         return [(zero, local_shape, zero, layout.transposed)]
+    tp_rank, tp_size = tp_rank // layout.replicas, tp_size // layout.replicas  # the slice held, of how many
     dim, n = layout.dim, local_shape[layout.dim]
     linear = list(local_shape)
     linear[dim] = n * tp_size - layout.padding

@@ -68,6 +68,8 @@ def check_model(model, recipe) -> list[Problem]:
     where = f"model {type(model).__name__}"
     problems = []
     for key in ("heads", "kv_heads", "hidden", "ffn_hidden"):
+        if key == "kv_heads" and key in dims and tp % dims[key] == 0 and dims.get("heads", 0) % tp == 0:
+            continue  # fewer key/value heads than ranks: a per-head plan holds each on several, others are refused
         if key in dims and dims[key] % tp:
             problems.append(Problem("$.parallelism.tensor", f"{where} has {key} {dims[key]}, not divisible by "
                                     f"tensor {tp}", f"use a tensor size that divides {dims[key]}"))

@@ -49,6 +49,8 @@ RULES = {
                     "of layer stays",
     "dropout": "every *dropout / *pdrop probability and *jitter_noise (router noise) = the recipe's dropout",
     "per_layer": "per_layer_config overrides sized by the same rules (for the layers that remain)",
+    "index_heads": "an indexer's query heads taken from one key/value head (index_num_heads, Kolibri's) at most "
+                   "heads / kv_heads",
     "cache": "use_cache False",
     "experts": "with experts=(E, k): at most E experts (routed and local), top-k at most k, one routing group, at "
                "most one shared expert (counts the family's defaults leave None: E, k, 1, and ffn_hidden wide)",
@@ -145,6 +147,8 @@ def size_config(defaults: dict, dims, attribute_map: dict | None = None, *,
             out[key] = _cut_layers(value, n)
         elif key in _DENSE_PREFIX and isinstance(value, int) and value > 0:
             out[key] = min(value, max(n - kinds, 0))
+        elif key == "index_num_heads" and isinstance(value, int):
+            out[key] = max(1, min(value, dims.heads // dims.kv_heads_resolved))
     if mla:
         rope = _even(head_dim / 2)
         new = {"qk_nope_head_dim": head_dim - rope, "v_head_dim": head_dim, "qk_rope_head_dim": rope,

@@ -70,6 +70,16 @@ def check_batch_and_world(recipe: Recipe, layout: Layout | None) -> Problems:
                       f"use >= {m_needed} micro-batches per step (bubble <= 0.25)", WARNING)
 
 
+# the styles that hold key/value heads fewer than the tensor ranks (plugin/tensor_parallel/styles.py's column_heads)
+PER_HEAD_STYLES = ("column_heads", "unit_colwise")
+
+
+def _per_head_plan(recipe: Recipe) -> bool:
+    """An explicit plan naming a per-head style ("auto" resolves against the model, which validate does not see)."""
+    plan = recipe.tensor_parallel.plan
+    return not isinstance(plan, str) and any(style in PER_HEAD_STYLES for style in plan.values())
+
+
 def check_model_dims(recipe: Recipe, layout: Layout | None) -> Problems:
     m, tp, pp = recipe.model, recipe.parallelism.tensor, recipe.parallelism.pipeline
     if m is None:
@@ -85,10 +95,15 @@ def check_model_dims(recipe: Recipe, layout: Layout | None) -> Problems:
                        ("ffn_hidden", m.ffn_hidden_resolved)):
         if key == "kv_heads" and m.kv_heads is None:  # not written: it is heads, whose error says it all
             continue
+        replicable = key == "kv_heads" and tp % value == 0 and m.heads % tp == 0  # each head on tp / kv ranks
+        if replicable and _per_head_plan(recipe):
+            continue  # the plan holds each key/value head whole on the ranks that read it; initialize checks it
         if value % tp:
+            per_head = (", or an explicit tensor_parallel.plan giving the key/value projections 'unit_colwise' "
+                        "('column_heads': each head held by the ranks that read it)") if replicable else ""
             yield Problem(f"$.model.{key}", f"{key} {value} is not divisible by tensor {tp}: each tensor rank "
                           f"must hold whole {'heads' if 'heads' in key else 'columns'}",
-                          f'use a tensor size that divides {value} ({_divisors(value, 8)}), or change {key}')
+                          f'use a tensor size that divides {value} ({_divisors(value, 8)}), or change {key}{per_head}')
     if tp > 1 and m.vocab % tp:
         padded = -(-m.vocab // tp) * tp
         yield Problem("$.model.vocab", f"vocab {m.vocab} is not divisible by tensor {tp}: the vocab-parallel "

@@ -5,7 +5,8 @@
 
 Modules: :mod:`.comm` (f/g and the sequence-parallel collectives), :mod:`.layers` (column, row and vocabulary-split
 linears), :mod:`.embedding` (the vocabulary- and hidden-split embeddings), :mod:`.fused` (the column matmul with its
-overlapped backward collective), :mod:`.cross_entropy`, :mod:`.random` (dropout streams), :mod:`.recompute`
+overlapped backward collective), :mod:`.heads` (key/value projections split by whole heads, replicated when fewer
+than the ranks), :mod:`.cross_entropy`, :mod:`.random` (dropout streams), :mod:`.recompute`
 (activation checkpointing that replays them), :mod:`.styles` (the styles a plan names), :mod:`.fit` (what fits
 what: no silent swap), :mod:`.inplace` (collectives around a kept module's forward, bare parameters split),
 :mod:`.plan` (``apply_tensor_parallel``), :mod:`.auto` (the "auto" plans), :mod:`.sharding` (slicing math),

@@ -166,14 +166,16 @@ def check_known_model(model: nn.Module, styles: Mapping[str, object], tp: int,
                             "leave the cross-attention modules whole")
         return problems
     text = _text_config(model)
-    attention = [n for n, s in styles.items() if getattr(s, "kind", "") == "column" and not s.gather_output
-                 and _in_attention(n)]
+    attention = [n for n, s in styles.items() if getattr(s, "kind", "") in ("column", "heads")
+                 and not s.gather_output and _in_attention(n)]
     if attention:
         heads = _get(text, "num_attention_heads")
         kv = _get(text, "num_key_value_heads") or heads
+        # key/value projections split by whole heads (column_heads) may replicate kv heads fewer than the ranks
+        by_head = any(styles[n].kind == "heads" for n in attention) and isinstance(kv, int) and tp % kv == 0
         if isinstance(heads, int):
             problems += _heads_problem(f"{type(model).__name__} (num_attention_heads)", heads, tp)
-        if isinstance(kv, int) and kv != heads:
+        if isinstance(kv, int) and kv != heads and not by_head:
             problems += _heads_problem(f"{type(model).__name__} (num_key_value_heads)", kv, tp)
         problems += _whole_per_head(model, attention, styles, {heads, kv} - {None})
     return problems

@@ -283,9 +283,49 @@ def allreduce_grads_in_backward(tensors: Sequence[torch.Tensor], group) -> tuple
     return _AllReduceGradsInBackward.apply(group, *tensors)
 
 
+class _SumGradsOverReplicas(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, replicas, *tensors):
+        ctx.group, ctx.replicas = group, replicas
+        ctx.likes = [(t.shape, t.dtype, t.device) for t in tensors]
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dense = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                 for g, (shape, dtype, device) in zip(grads, ctx.likes, strict=True)]
+        flat = torch.cat([g.reshape(-1) for g in dense])  # one module's weight and bias: one dtype
+        slot = group_rank(ctx.group) // ctx.replicas
+        slots = flat.new_zeros((group_size(ctx.group) // ctx.replicas, flat.numel()))
+        slots[slot] = flat
+        mine = _all_reduce(slots, ctx.group)[slot]
+        out, offset = [], 0
+        for g in dense:
+            out.append(mine[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return (None, None, *out)
+
+
+def sum_grads_over_replicas(tensors: Sequence[torch.Tensor], group, replicas: int) -> tuple[torch.Tensor, ...]:
+    """Use parameters whose slice ``replicas`` consecutive ranks of ``group`` hold alike (a key/value head replicated
+    over the ranks whose query heads read it): identity forward, gradients summed over those ranks backward.
+
+    Rank ``r`` holds slice ``s = r // replicas`` and computes only its own query heads' part of its gradient.
+    forward ``y_i = t_i``; backward ``dt_i = sum_{q // replicas = s} dy_{i,q}``, the whole gradient of slice ``s``
+    on each of its holders, inside autograd (engines that reduce from hooks see it summed once). One all-reduce
+    over ``group`` of ``[p / replicas, n]`` slots, each rank's gradient in its slice's slot (no subgroup to build).
+    The input's gradient needs nothing more: each rank's part of it comes from its own query heads, and ``f`` sums
+    those over the group as for any column layer.
+    """
+    tensors = tuple(tensors)
+    if group_size(group) == 1 or replicas == 1 or not tensors:
+        return tensors
+    return _SumGradsOverReplicas.apply(group, replicas, *tensors)
+
+
 __all__ = [
     "group_size", "group_rank",
     "copy_to_tensor_region", "reduce_from_tensor_region", "scatter_to_tensor_region", "gather_from_tensor_region",
     "scatter_to_sequence_region", "gather_from_sequence_region", "reduce_scatter_to_sequence_region",
-    "allreduce_grads_in_backward",
+    "allreduce_grads_in_backward", "sum_grads_over_replicas",
 ]

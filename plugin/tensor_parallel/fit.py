@@ -22,7 +22,7 @@ RULES = (
      "an nn.Embedding subclass with an embed_scale whose forward is embedding(ids) * embed_scale (Gemma's "
      "*ScaledWordEmbedding): the split embedding multiplies by the same scale (checked on real weights)"),
 )
-_SWAPPED = ("column", "row", "vocab", "embed_hidden")  # the kinds that replace the module by a plugin layer
+_SWAPPED = ("column", "heads", "row", "vocab", "embed_hidden")  # the kinds that replace the module by a plugin layer
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -65,7 +65,8 @@ def _forward_problem(name: str, module: nn.Module, style: Style) -> list[str]:
     if not own_forward(module) or rule_for(module, style) is not None:
         return []
     cls, base = type(module), layer_base(module)
-    layer = {"column": "ColumnParallelLinear", "row": "RowParallelLinear", "embed_hidden": "HiddenParallelEmbedding",
+    layer = {"column": "ColumnParallelLinear", "heads": "HeadParallelLinear", "row": "RowParallelLinear",
+             "embed_hidden": "HiddenParallelEmbedding",
              "vocab": "VocabParallelEmbedding" if base is nn.Embedding else "VocabParallelLinear"}[style.kind]
     return [f"module {name!r} is {cls.__module__}.{cls.__qualname__}, a subclass of {base.__name__} with a forward of "
             f"its own: {layer} computes {base.__name__}.forward and would drop what {cls.__qualname__}.forward adds; "
@@ -95,6 +96,8 @@ def module_problems(name: str, module: nn.Module, style: Style, tp: int) -> list
     out_features, in_features = linear_weights(module)[0].shape
     if kind == "mla_kv_a":
         return []
+    if kind == "heads":  # whole heads or replicated ones: plan.resolve_plan checks them with the head dim
+        return _forward_problem(name, module, style)
     if kind == "column" and out_features % (tp * style.parts):
         unit = f"tensor size {tp}" + (f" x {style.parts} packed parts" if style.parts > 1 else "")
         return [f"{what}: {out_features} output features are not divisible by {unit}; use a tensor size "
@@ -160,6 +163,8 @@ def layout(module: nn.Module, style: Style, tp: int) -> str:
         return "split by input features"
     if style.kind == "embed_hidden":
         return "split by columns"
+    if style.kind == "heads":
+        return "split by whole heads"
     if style.kind == "vocab" or style.parts == 1:  # a plain column split is a vocab split that needs no padding
         return f"split by rows, {padded_size(rows, tp)} rows in all"
     return f"split by rows in {style.parts} packed parts"

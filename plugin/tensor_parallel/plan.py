@@ -25,14 +25,16 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from . import auto, fit
+from . import auto, fit, heads
 from .comm import group_rank, group_size
 from .context import TensorParallelContext
 from .embedding import HiddenParallelEmbedding, VocabParallelEmbedding
 from .errors import TensorParallelError
+from .heads import HeadParallelLinear
 from .inplace import split_parameter, wrap
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLinear
 from .random import TensorParallelRNG
+from .sharding import is_sharded
 from .styles import Style, parse_style
 
 log = logging.getLogger("plugin.tensor_parallel")
@@ -86,6 +88,8 @@ def resolve_plan(model: nn.Module, plan: str | Mapping[str, str], tp_size: int, 
                                 "give the module or its parameter a style, not both")
             continue
         problems += fit.module_problems(n, by_name[n], style, tp_size)
+        if style.kind == "heads" and fit.is_linear(by_name[n]):
+            problems += heads.heads_problems(n, by_name[n], *_owner_and_dim(model, n), tp_size)
         if style.kind == "region":
             problems += fit.region_problems(n, by_name[n], split, assignment)
         if style.kind == "identity_expert" and not any(assignment.get(o, Style("")).kind == "region"
@@ -108,6 +112,12 @@ def resolve_plan(model: nn.Module, plan: str | Mapping[str, str], tp_size: int, 
     if problems:
         raise TensorParallelError(problems)
     return {n: s for n, s in assignment.items() if s.kind not in ("replicate", "local")}
+
+
+def _owner_and_dim(model: nn.Module, name: str) -> tuple[nn.Module, int | None]:
+    """The module holding projection ``name`` (its attention) and the head dim its heads are cut by."""
+    owner = model.get_submodule(name.rpartition(".")[0])
+    return owner, heads.head_dim(model, owner)
 
 
 def _ancestors(name: str) -> list[str]:
@@ -157,7 +167,9 @@ def _tie_problems(modules, assignment: dict[str, Style], tp: int) -> list[str]:
     return problems
 
 
-def _build(module: nn.Module, style: Style, tp_group, sequence_parallel: bool) -> nn.Module:
+def _build(module: nn.Module, style: Style, tp_group, sequence_parallel: bool, head_count: int = 0) -> nn.Module:
+    if style.kind == "heads":
+        return HeadParallelLinear.from_linear(module, tp_group, heads=head_count, sequence_parallel=sequence_parallel)
     if style.kind == "column":
         return ColumnParallelLinear.from_linear(module, tp_group, gather_output=style.gather_output,
                                                 sequence_parallel=sequence_parallel, parts=style.parts)
@@ -216,8 +228,11 @@ def apply_tensor_parallel(model: nn.Module, plan: str | Mapping[str, str], tp_gr
     for name, style in swapped.items():
         old = model.get_submodule(name)
         new = new_of.get(id(old))
+        count = 0
+        if style.kind == "heads":  # checked in resolve_plan: whole heads of this dim
+            count = fit.linear_weights(old)[0].shape[0] // _owner_and_dim(model, name)[1]
         if new is None:
-            new = _build(old, style, tp_group, sequence_parallel)
+            new = _build(old, style, tp_group, sequence_parallel, count)
             tied = weight_of.get(id(old.weight))
             if tied is not None:  # checked in resolve_plan: same split, so the shards have one shape
                 assert tied.shape == new.weight.shape, (name, tied.shape, new.weight.shape)
@@ -230,7 +245,8 @@ def apply_tensor_parallel(model: nn.Module, plan: str | Mapping[str, str], tp_gr
                          getattr(new, "padded_vocab_size", getattr(new, "padded_num_embeddings", 0)),
                          new.padding, "s" if new.padding > 1 else "", tp_size)
         if cuts is not None:
-            cuts[name] = functools.partial(_build, style=style, tp_group=tp_group, sequence_parallel=sequence_parallel)
+            cuts[name] = functools.partial(_build, style=style, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                                           head_count=count)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
     by_owner: dict[str, list[tuple[str, Style]]] = defaultdict(list)  # bare parameters, split in place
@@ -241,7 +257,7 @@ def apply_tensor_parallel(model: nn.Module, plan: str | Mapping[str, str], tp_gr
     for owner, entries in by_owner.items():
         module = model.get_submodule(owner)
         for key, style in entries:
-            if not getattr(module._parameters[key], "tensor_model_parallel", False):  # a tie: split once
+            if not is_sharded(module._parameters[key]):  # a tie: split once
                 split_parameter(module, key, style.kind, style.parts, tp_size, tp_rank)
         if cuts is not None:
             cuts[owner] = functools.partial(_split_copy, entries=entries, tp_size=tp_size, tp_rank=tp_rank)
@@ -251,6 +267,7 @@ def apply_tensor_parallel(model: nn.Module, plan: str | Mapping[str, str], tp_gr
             if getattr(module, "_tp_kind", None) != style.kind:  # a module under two names: wrapped once
                 wrap(module, style.kind, tp_group, rope=_rope_dim(model) if style.kind == "mla_kv_a" else 0)
     auto.fix_known_model(model, tp_size)
+    heads.fix_key_value_groups(model)
     configure = getattr(model, "configure_tensor_parallel", None)
     if configure is not None:
         rng = TensorParallelRNG(torch.initial_seed() if seed is None else seed, tp_rank, pp_rank)

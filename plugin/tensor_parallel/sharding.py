@@ -8,9 +8,13 @@ Pure tensor arithmetic (no process group). A dimension of size ``n`` split over 
 * packed (``parts = k > 1``, e.g. GPT-2's fused ``[q | k | v]``): the dimension is ``k`` equal parts laid end
   to end, and each part is split on its own, so rank ``r`` holds ``[part_0[r] | part_1[r] | ...]``.
 
+* replicated (``replicas = k > 1``, key/value heads fewer than the ranks): the dimension is split over
+  ``p / k`` slices, and ``k`` consecutive ranks hold the same slice (rank ``r`` holds slice ``r // k``).
+
 Sharded parameters carry Megatron's attributes (``tensor_model_parallel``, ``partition_dim``,
 ``partition_stride``), which is also what DeepSpeed's ``is_model_parallel_parameter`` reads, plus
-``partition_padding`` (rows of padding in the gathered tensor) so :func:`unshard` can undo the split.
+``partition_padding`` (rows of padding in the gathered tensor) and ``partition_replicas`` (ranks holding each
+slice) so :func:`unshard` can undo the split.
 """
 from __future__ import annotations
 
@@ -57,8 +61,11 @@ def shard(full: torch.Tensor, dim: int, tp_size: int, tp_rank: int, *, parts: in
     return mine[0].clone(memory_format=torch.contiguous_format)
 
 
-def unshard(shards: Sequence[torch.Tensor], dim: int, *, parts: int = 1, padding: int = 0) -> torch.Tensor:
-    """The whole tensor from every rank's shard (in rank order): undoes :func:`shard`."""
+def unshard(shards: Sequence[torch.Tensor], dim: int, *, parts: int = 1, padding: int = 0,
+            replicas: int = 1) -> torch.Tensor:
+    """The whole tensor from every rank's shard (in rank order): undoes :func:`shard` (``replicas``: ranks holding
+    each slice, the first of them taken)."""
+    shards = list(shards)[::replicas]
     if parts == 1:
         full = torch.cat(list(shards), dim=dim)
     else:
@@ -69,19 +76,23 @@ def unshard(shards: Sequence[torch.Tensor], dim: int, *, parts: int = 1, padding
     return full
 
 
-def mark_sharded(param: torch.Tensor, dim: int, *, parts: int = 1, padding: int = 0) -> torch.Tensor:
+def mark_sharded(param: torch.Tensor, dim: int, *, parts: int = 1, padding: int = 0, replicas: int = 1,
+                 first: bool = True) -> torch.Tensor:
     """Tag ``param`` as split across the tensor group (Megatron's and DeepSpeed's attribute names).
 
-    DeepSpeed counts such a parameter's gradient norm on every tensor rank (each holds a different
-    slice) and a replicated one on tensor rank 0 only, so clipping sees each number exactly once.
+    DeepSpeed and the plugin's clipping count a ``tensor_model_parallel`` parameter's gradient norm on every
+    tensor rank (each holds a different slice) and any other on tensor rank 0 only, so clipping sees each number
+    exactly once. A slice held by ``replicas`` ranks is therefore ``tensor_model_parallel`` on the ``first`` of
+    them only: on the others it is Megatron's "tensor-parallel duplicate", never counted (none is tensor rank 0).
     """
-    param.tensor_model_parallel = True
+    param.tensor_model_parallel = first
     param.partition_dim = dim
     param.partition_stride = parts
     param.partition_padding = padding
+    param.partition_replicas = replicas
     return param
 
 
 def is_sharded(param: torch.Tensor) -> bool:
-    """True for a parameter that :func:`mark_sharded` tagged."""
-    return bool(getattr(param, "tensor_model_parallel", False))
+    """True for a parameter that :func:`mark_sharded` tagged (a duplicate of a replicated slice too)."""
+    return bool(getattr(param, "tensor_model_parallel", False)) or getattr(param, "partition_replicas", 1) > 1

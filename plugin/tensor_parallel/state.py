@@ -1,8 +1,8 @@
 """Whole tensors back from tensor-parallel shards: for checkpoints, and to compare against an unsharded model.
 
-A parameter split by :mod:`.sharding` carries ``partition_dim``, ``partition_stride`` (packed parts) and
-``partition_padding``; :func:`full_tensor` all-gathers a shard (the parameter itself, its gradient, or an
-optimizer state of its shape) and undoes the split. Replicated parameters come back as they are.
+A parameter split by :mod:`.sharding` carries ``partition_dim``, ``partition_stride`` (packed parts),
+``partition_padding`` and ``partition_replicas``; :func:`full_tensor` all-gathers a shard (the parameter itself,
+its gradient, or an optimizer state of its shape) and undoes the split. Replicated parameters come back as they are.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def full_tensor(shard: torch.Tensor, param: torch.Tensor, tp_group) -> torch.Ten
         return shard
     pieces = [torch.empty_like(shard) for _ in range(p)]
     dist.all_gather(pieces, shard.contiguous(), group=tp_group)
-    return unshard(pieces, param.partition_dim, parts=param.partition_stride, padding=param.partition_padding)
+    return unshard(pieces, param.partition_dim, parts=param.partition_stride, padding=param.partition_padding,
+                   replicas=getattr(param, "partition_replicas", 1))
 
 
 def full_state_dict(model: nn.Module, tp_group, *, grads: bool = False) -> dict[str, torch.Tensor | None]:

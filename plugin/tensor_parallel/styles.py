@@ -3,7 +3,7 @@
 :data:`TABLE` is the one list (docs/tensor-parallel.md's table is held to it by a unit test): each style says what it
 applies to (a linear layer, an embedding, any module, or a bare parameter) and what the plugin does with it, through
 its own Megatron-style layers (:mod:`.layers`, :mod:`.embedding`) and collectives (:mod:`.comm`: ``f`` = identity
-forward / all-reduce backward, ``g`` = all-reduce forward / identity backward). Every style of transformers 5.24's
+forward / all-reduce backward, ``g`` = all-reduce forward / identity backward). Every style of transformers 5.25's
 causal-LM ``base_model_tp_plan`` is here; :data:`REFUSED` names the other transformers styles and why the plugin
 refuses them.
 """
@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Style:
-    """A parsed style. ``kind``: column, row, vocab, embed_hidden, grad_sum, region, identity_expert, mla_kv_a,
-    local or replicate; ``parts`` packed parts (``column:2`` for ``[gate | up]``); ``gather_output`` (column, vocab):
-    all-gather the output; ``split_input`` (row): the input comes whole and each rank keeps its slice."""
+    """A parsed style. ``kind``: column, heads, row, vocab, embed_hidden, grad_sum, region, identity_expert,
+    mla_kv_a, local or replicate; ``parts`` packed parts (``column:2`` for ``[gate | up]``); ``gather_output``
+    (column, vocab): all-gather the output; ``split_input`` (row): the input comes whole and each rank keeps its
+    slice."""
 
     kind: str
     gather_output: bool = False
@@ -41,6 +42,10 @@ TABLE = (
     Entry("column:K", Style("column", parts=2), ("packed_colwise",), "linear | parameter",
           "the same for an output of K packed parts ([gate | up], GPT-2's [q | k | v]), each part split on its own "
           "(transformers' packed_colwise is column:2)"),
+    Entry("column_heads", Style("heads"), ("unit_colwise",), "linear",
+          "HeadParallelLinear: a key or value projection split by whole heads; with fewer heads than tensor ranks, "
+          "each head held by the tensor / heads ranks whose query heads read it, its weight's gradient summed over "
+          "them, and the attention's num_key_value_groups made local (heads.py)"),
     Entry("column_gather", Style("column", gather_output=True), ("colwise_gather_output", "colwise_rep"), "linear",
           "ColumnParallelLinear that all-gathers its output: what follows sees it whole"),
     Entry("row", Style("row"), ("rowwise",), "linear | parameter",

@@ -1,15 +1,20 @@
-"""transformers GPT-2 and Llama (tiny configs, random weights, no downloads) sharded by the "auto" plan: the
-same loss (the models' own ``labels=`` loss) and gathered gradients as unsharded, over 3 steps.
+"""transformers GPT-2, Llama and MiniCPM5-MoE (tiny configs, random weights, no downloads) sharded by the "auto"
+plan: the same loss (the models' own ``labels=`` loss), gathered gradients and global gradient norm (counted as the
+engines' clipping counts it) as unsharded, over 3 steps.
 
 One launch of 4 gloo processes: at tp=2 the two pairs share the work (GPT-2 and untied Llama on ranks 0-1,
-tied Llama on ranks 2-3), then GPT-2 (n_head 4) at tp=4 on all of them. Llama's 2 key/value heads cannot
-be split over 4 ranks, so it stays at tp=2.
+tied Llama and MiniCPM5-MoE with one key/value head on ranks 2-3), then GPT-2 (n_head 4) and MiniCPM5-MoE (2
+key/value heads) at tp=4 on all of them. Llama's 2 key/value heads cannot be split over 4 ranks, so it stays at
+tp=2; MiniCPM5-MoE's plan splits them by whole heads (unit_colwise), so at tp=2 with one head and at tp=4 with two
+each head is held by 2 ranks and its gradient summed over them.
 
 The optimizer is SGD with momentum: Adam divides each gradient by its own magnitude, so float noise in
 a near-zero gradient element (1e-9 against 1e-9) becomes a visible weight difference after one step,
 which says nothing about tensor parallelism.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -28,6 +33,11 @@ def build(kind, seed=0, **overrides):
     import transformers as tf
 
     torch.manual_seed(seed)
+    if kind == "minicpm5_moe":
+        from tests.hf_families import TINY, tiny_config
+
+        config = tiny_config(kind, dataclasses.replace(TINY, kv_heads=overrides.get("kv_heads", 2)))
+        return tf.AutoModelForCausalLM.from_config(config)
     if kind == "gpt2":
         config = tf.GPT2Config(vocab_size=101, n_embd=32, n_layer=2, n_head=4, n_positions=16, resid_pdrop=0.0,
                                embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **overrides)
@@ -39,7 +49,9 @@ def build(kind, seed=0, **overrides):
 
 
 def train_and_compare(group, kind, steps=3, **overrides):
+    from plugin.distributed.clipping import global_grad_norm
     from plugin.tensor_parallel import apply_tensor_parallel, full_state_dict, padding_report
+    from plugin.tensor_parallel.heads import HeadParallelLinear
     from plugin.tensor_parallel.layers import ColumnParallelLinear
     from plugin.tensor_parallel.sharding import padded_size
 
@@ -48,6 +60,10 @@ def train_and_compare(group, kind, steps=3, **overrides):
     split = [n for n, m in tp.named_modules() if isinstance(m, ColumnParallelLinear)]
     assert split, f"{kind}: the auto plan split nothing"
     p = dist.get_world_size(group)
+    if kind == "minicpm5_moe":  # each key/value head held by 2 ranks (1 head over 2, 2 heads over 4)
+        by_head = [m for m in tp.modules() if isinstance(m, HeadParallelLinear)]
+        assert len(by_head) == 4 and all(m.replicas == 2 for m in by_head), by_head
+        assert tp.model.layers[0].self_attn.num_key_value_groups == ref.config.num_attention_heads // p
     if kind == "gpt2":
         padding = padded_size(ref.config.vocab_size, p) - ref.config.vocab_size  # 101 -> 1 at tp=2, 3 at tp=4
         assert padding_report(tp) == {"transformer.wte": padding, "lm_head": padding}, padding_report(tp)
@@ -71,6 +87,13 @@ def train_and_compare(group, kind, steps=3, **overrides):
         for name, p in ref.named_parameters(remove_duplicate=False):
             got = grads[name].t() if name in transposed else grads[name]
             torch.testing.assert_close(got, p.grad, **TOL, msg=lambda m: f"{what} step {step} grad {name}: {m}")
+        # the global norm as the native engine's clipping counts it: tensor_model_parallel on every tensor rank (a
+        # replicated key/value head on its first holder only), the rest on tensor rank 0
+        sharded = {id(q) for q in tp.parameters() if getattr(q, "tensor_model_parallel", False)}
+        norm = global_grad_norm(list(tp.parameters()), tensor_sharded=sharded, tp_rank=dist.get_rank(group),
+                                model_group=group, model_size=dist.get_world_size(group))
+        ref_norm = torch.nn.utils.get_total_norm([q.grad for q in ref.parameters() if q.grad is not None])
+        torch.testing.assert_close(norm, ref_norm, **TOL, msg=lambda m: f"{what} step {step} gradient norm: {m}")
         opt_ref.step(); opt_ref.zero_grad()
         opt_tp.step(); opt_tp.zero_grad()
 
@@ -89,7 +112,9 @@ def hf_worker(rank, world_size):
         train_and_compare(pairs.tensor_group, "llama", tie_word_embeddings=False)
     else:
         train_and_compare(pairs.tensor_group, "llama", tie_word_embeddings=True)
+        train_and_compare(pairs.tensor_group, "minicpm5_moe", kv_heads=1)
     train_and_compare(whole.tensor_group, "gpt2")
+    train_and_compare(whole.tensor_group, "minicpm5_moe", kv_heads=2)
     return "ok"
 
 

@@ -53,6 +53,9 @@ def test_sizing_rules_for_latent_attention_layer_lists_and_experts():
     assert [p.format() for p in problems] == [
         "$.model.kv_heads: the recipe says kv_heads 2, but c (llama) has latent attention (kv_lora_rank): one "
         "key/value head per attention head -> set model.kv_heads to model.heads (4)"]
+    kolibri = {**LLAMA, "index_num_heads": 12}  # an indexer scores keys with query heads of key/value head 0
+    assert size_config(kolibri, dataclasses.replace(DIMS, kv_heads=2))["index_num_heads"] == 2
+    assert size_config(kolibri, dataclasses.replace(DIMS, kv_heads=None))["index_num_heads"] == 1
     sliding = {**LLAMA, "num_hidden_layers": 6, "layer_types": ["sliding"] * 5 + ["full"], "num_kv_shared_layers": 3}
     kwargs = size_config(sliding, dataclasses.replace(DIMS, layers=2))
     assert kwargs["layer_types"] == ["sliding", "full"] and kwargs["num_kv_shared_layers"] == 0

@@ -4,6 +4,8 @@ tests/hf_families.py records; the families trained against one process (``TP_FAM
 those plans uses."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.dist.needs import need
@@ -95,3 +97,29 @@ def test_a_per_head_norm_the_family_plan_omits_is_refused_not_crashed():
     with pytest.raises(PluginError, match=r"'model\.layers\.0\.self_attn\.q_norm\.weight' \(\(4, 16\)\) of "
                                           r"CohereLayerNorm is per head"):
         resolve_plan(model, "auto", 2)
+
+
+@pytest.mark.parametrize(("family", "kv", "tp", "refusal"), [
+    ("minicpm5_moe", 1, 2, None), ("minicpm5_moe", 2, 4, None),
+    ("minicpm5_moe", 2, 8, "which must share its 2 query heads (num_key_value_groups of MiniCPM5MoeAttention) whole"),
+    ("llama", 2, 4, "(num_key_value_heads): 2 attention heads cannot be split whole over tensor size 4")])
+def test_key_value_heads_fewer_than_ranks_are_held_whole_by_head_or_refused(family, kv, tp, refusal):
+    """unit_colwise (the plugin's column_heads) holds each key/value head whole on the ranks whose query heads read
+    it; a plain colwise split of them (llama's plan) cannot, nor can replicas that would cut the query heads."""
+    import dataclasses
+
+    import torch
+    import transformers as tf
+
+    from plugin.errors import PluginError
+    from plugin.tensor_parallel import resolve_plan
+    from tests.hf_families import TINY, tiny_config
+
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(tiny_config(family, dataclasses.replace(TINY, kv_heads=kv)))
+    if refusal is not None:
+        with pytest.raises(PluginError, match=re.escape(refusal)):
+            resolve_plan(model, "auto", tp)
+        return
+    styles = resolve_plan(model, "auto", tp)
+    assert {n.rsplit(".", 1)[-1] for n, s in styles.items() if s.kind == "heads"} == {"k_proj", "v_proj"}

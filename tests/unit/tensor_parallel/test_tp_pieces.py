@@ -240,3 +240,34 @@ def test_gpt_under_sequence_parallelism_keeps_its_position_embedding_whole():
                        match="GPT pos_embed is 'vocab'; under sequence parallelism leave it whole"):
         resolve_plan(model, plan, 2, sequence_parallel=True)
     assert "pos_embed" in resolve_plan(model, plan, 2, sequence_parallel=False)
+
+
+@pytest.mark.parametrize(("heads", "tp"), [(4, 2), (2, 2), (1, 2), (2, 4), (1, 4), (2, 8)])
+def test_key_value_heads_fewer_than_ranks_are_replicated_counted_once_and_saved_once(heads, tp):
+    """unit_colwise's layout (plugin.tensor_parallel.heads): rank r holds the heads its query heads read (head
+    r // (tp / heads) when there are fewer heads than ranks); the norms count each slice on its first holder only
+    (tensor_model_parallel), every holder writes the same checkpoint box, and the shards give the whole tensor."""
+    from plugin.checkpoint.boxes import box, compose, layout_of, tp_segments, whole_held
+    from plugin.tensor_parallel.heads import replicas_of
+    from plugin.tensor_parallel.sharding import is_sharded, mark_sharded
+
+    head_dim = 3
+    full = torch.arange(heads * head_dim * 5.0).view(heads * head_dim, 5)
+    replicas = replicas_of(heads, tp)
+    out = torch.full_like(full, float("nan"))
+    shards, counted = [], 0
+    for r in range(tp):
+        local = mark_sharded(shard(full, 0, tp // replicas, r // replicas), 0, replicas=replicas,
+                             first=r % replicas == 0)
+        first_head = r * heads // tp
+        assert torch.equal(local, full[first_head * head_dim:first_head * head_dim + len(local)]), r
+        assert is_sharded(local)
+        counted += local.tensor_model_parallel
+        for p in compose(whole_held(local), tp_segments(local.shape, full.shape, layout_of(local), r, tp)):
+            place = box(out, p.offsets, p.view.shape)
+            assert place.isnan().all() or torch.equal(place, p.view), r  # a replica writes what its first wrote
+            place.copy_(p.view)
+        shards.append(local)
+    assert counted == tp // replicas
+    assert torch.equal(out, full) and torch.equal(unshard(shards, 0, replicas=replicas), full)
+    assert replicas_of(3, 2) == replicas_of(2, 3) == 0  # neither divides: refused by the plan

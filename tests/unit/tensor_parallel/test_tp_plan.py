@@ -225,3 +225,24 @@ def test_the_docs_style_table_is_the_code_table():
     doc = (Path(__file__).resolve().parents[3] / "docs" / "tensor-parallel.md").read_text()
     table = "| plugin style | transformers style | applies to |\n|---|---|---|\n" + "\n".join(rows) + "\n\n"
     assert table in doc, "docs/tensor-parallel.md's style table is not styles.TABLE:\n" + table
+
+
+def test_a_recipe_states_fewer_kv_heads_than_tensor_only_with_a_per_head_plan():
+    """validate cannot see what "auto" resolves to: kv_heads 1 at tensor 2 is refused (the fix names unit_colwise),
+    unless the plan names the per-head style, whose names are the style table's (initialize then checks the model)."""
+    from plugin.recipe.checks import PER_HEAD_STYLES, check_recipe
+    from plugin.recipe.spec import Recipe
+    from plugin.tensor_parallel.styles import BY_NAME
+
+    assert set(PER_HEAD_STYLES) == {"column_heads", *BY_NAME["column_heads"].hf}
+    base = {"name": "r", "parallelism": {"data": 1, "tensor": 2, "pipeline": 1}, "batch": {"global": 2, "micro": 1},
+            "model": {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 1, "vocab": 128, "seq_len": 32}}
+
+    def kv_errors(plan):
+        recipe = Recipe.from_dict({**base, "tensor_parallel": {"plan": plan}})
+        return [p.format() for p in check_recipe(recipe, 2) if p.is_error and p.path == "$.model.kv_heads"]
+
+    assert [e for e in kv_errors("auto") if "kv_heads 1 is not divisible by tensor 2" in e and "'unit_colwise'" in e]
+    for style in PER_HEAD_STYLES:
+        assert kv_errors({"layers.*.k_proj": style, "layers.*.v_proj": style, "layers.*.o_proj": "row"}) == []
+    assert kv_errors({"layers.*.k_proj": "colwise"})  # a plain column split of the heads: refused as ever
