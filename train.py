@@ -31,6 +31,7 @@ from plugin.elastic.resume import AUTO, resume_problem
 from plugin.errors import PluginError, RecipeError
 from plugin.job.interrupt import GRACE_S
 from plugin.job.life import Job, say_line
+from plugin.job.outputs import metrics_problem
 from plugin.job.restarts import Restarts, elastic_start
 from plugin.job.saves import Saves
 from plugin.launch.launcher import check_train_script
@@ -247,6 +248,9 @@ def train(args, job):
             return 0  # this start's surplus: the others train without it
     except RecipeError as e:  # the recipe cannot follow this world: every rank knows, rank 0 says it
         job.refuse("\n".join(p.format() for p in e.problems), everyone=False)
+    problem = metrics_problem(args.metrics, os.environ) if args.metrics else None  # its writer makes its directory
+    if problem:
+        job.refuse(problem)
     saves = Saves(args.save, every=args.save_every, keep=args.keep, resume=args.resume)  # --resume auto reads --save
     restarts = Restarts(args.save, os.environ) if args.resume == AUTO else None  # every rank reads before rank 0 writes
     try:
