@@ -28,6 +28,9 @@ import torch
 from .spawn import run
 
 pytestmark = pytest.mark.dist
+# A refusal takes the step's one collective (under a second; bench/data_contract.py times the check), a rank waiting
+# for a peer that already refused takes the group's timeout (minutes): the ceiling tells them apart on a loaded machine
+CEILING_S = 60
 
 ROWS, STEPS, SEED = 48, 4, 7  # 48 rows / global 16: 3 steps per epoch
 LAYOUTS = ("cpu_tp2_dp2", "cpu_pp2_dp2")
@@ -196,7 +199,7 @@ def _check_refused(results, name, call):
     for rank, out in enumerate(results):
         kind, message, seconds, plugin_error = out[name]["refused"][call]
         assert kind == "BatchMismatchError" and plugin_error, f"{name} rank {rank}: {call} {kind}: {message}"
-        assert seconds < 10, f"{name} rank {rank}: refused after {seconds:.1f} s"
+        assert seconds < CEILING_S, f"{name} rank {rank}: refused after {seconds:.1f} s"
         messages.add(message)
     assert len(messages) == 1, f"{name}: every rank should say the same: {messages}"
     message = messages.pop()
@@ -215,7 +218,7 @@ def _check_short(results, name):
         where = "tensor 1" if name == "cpu_tp2_dp2" else "stage 1"
         assert message.startswith(f"train_step: rank 3 (data rank 1, {where}) got 5 rows; every rank takes the "
                                   "global batch (16 rows) or its data rank's share"), message
-        assert seconds < 10, f"{name} rank {rank}: refused after {seconds:.1f} s"
+        assert seconds < CEILING_S, f"{name} rank {rank}: refused after {seconds:.1f} s"
 
 
 def _check_pure_data_parallel(results):
@@ -232,7 +235,7 @@ def _check_pure_data_parallel(results):
         for rank, out in enumerate(results):
             kind, message, seconds = out["cpu_dp4"][case]
             assert kind == "BatchMismatchError", f"rank {rank}: {case}: {kind}: {message}"
-            assert seconds < 10, f"rank {rank}: {case} refused after {seconds:.1f} s"
+            assert seconds < CEILING_S, f"rank {rank}: {case} refused after {seconds:.1f} s"
             messages.add(message)
         assert len(messages) == 1, messages
         assert messages.pop().startswith(start), case
