@@ -2,7 +2,8 @@
 processes (``plugin.initialize(..., backend="native")``, so it runs with or without deepspeed):
 
 * FSDP2 on top of tensor parallelism (tp2 x dp2 at ZeRO-2 and ZeRO-3), sequence parallelism with DDP, a
-  pipeline with activation checkpointing, FSDP2 with CPU offload: 3 steps equal to one process (fp32,
+  pipeline with activation checkpointing, FSDP2 with CPU offload, the GPipe and interleaved 1F1B schedules (tp2 x
+  pp2 with 2 virtual stages each): 3 steps equal to one process (fp32,
   rtol 1e-4, with an evaluation between the first two), and the global gradient norm of the first step equal
   to the single-process norm;
 * bf16 (autocast with DDP / pipeline stages, MixedPrecisionPolicy with FSDP2) and fp16 (the same plus
@@ -36,6 +37,10 @@ FP32 = {  # name -> (base recipe, {block: replacement})
     "tp2_sp_dp2": ("cpu_tp2_dp2", {"tensor_parallel": {"sequence_parallel": True}}),
     "pp2_dp2_checkpointed": ("cpu_pp2_dp2", {"activation_checkpointing": {"mode": "full", "every": 1}}),
     "dp4_zero3_offload": ("cpu_dp4", {"zero": {"stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"}}),
+    # the schedules only the native back end runs
+    "pp2_dp2_gpipe": ("cpu_pp2_dp2", {"pipeline_parallel": {"schedule": "gpipe", "partition": "uniform"}}),
+    "tp2_pp2_interleaved": ("cpu_tp2_pp2", {"pipeline_parallel": {"schedule": "interleaved_1f1b", "virtual_stages": 2,
+                                                                  "partition": "uniform"}}),
 }
 LOW = {  # name -> (base recipe, blocks, precision, rtol against fp32)
     "bf16_dp4_zero1": ("cpu_dp4", {}, "bf16", 1e-2),

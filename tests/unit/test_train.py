@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import train
+
+pytestmark = pytest.mark.nods  # also in the venv without deepspeed: train.py's start without deepspeed
 
 ROOT = Path(__file__).resolve().parents[2]
 
