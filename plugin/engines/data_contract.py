@@ -324,19 +324,20 @@ def start_exchange(given, rows: int, tokens, suspect: int, topology, *, global_r
     a quarter to a half of an all-reduce's latency (a ring of ``2 (world - 1)`` rounds) and of gloo's all-gather; its
     world x world messages are no matter at the sizes gloo runs. On NCCL, whose all-gather is one ring kernel on the
     communicator it already holds, an all-gather. ``device``: where the process group's tensors live."""
+    world = topology.world_size
     values = fingerprint_values(given, rows) if device.type == "cpu" else None
-    if values is not None:  # one tensor made, nothing concatenated
-        mine = torch.tensor([*values, int(tokens), suspect, int(deferred)], dtype=torch.int64)
+    if values is not None:  # what an all-to-all sends, made at once: one tensor, nothing concatenated or repeated
+        mine = torch.tensor([*values, int(tokens), suspect, int(deferred)] * world, dtype=torch.int64)
     else:
         mine = torch.cat([fingerprint(given, rows).to(device),
                           torch.as_tensor(tokens, dtype=torch.int64).reshape(1).to(device),
                           torch.tensor([suspect, int(deferred)], dtype=torch.int64, device=device)])
-    world = topology.world_size
     if world == 1:
         return RowsExchange(mine.view(1, SLOT), None, topology, global_rows, local_rows)
     table = torch.empty(world * SLOT, dtype=torch.int64, device=device)
     if dist.get_backend() == "gloo":
-        work = dist.all_to_all_single(table, mine.repeat(world), async_op=True)
+        send = mine if len(mine) == world * SLOT else mine.repeat(world)
+        work = dist.all_to_all_single(table, send, async_op=True)
     else:
-        work = dist.all_gather_into_tensor(table, mine, async_op=True)
+        work = dist.all_gather_into_tensor(table, mine[:SLOT], async_op=True)
     return RowsExchange(table.view(world, SLOT), work, topology, global_rows, local_rows)

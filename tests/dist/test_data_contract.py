@@ -66,22 +66,9 @@ def _engine(recipe, backend):
 def _reference(recipe, dataset) -> list[float]:
     """One process on the whole global batches of the same loader (data rank 0 of 1)."""
     from plugin.data.loader import StepLoader
-    from plugin.models.gpt import GPT, GPTConfig, gpt_loss
-    from plugin.engines.optim import WeightDecay, build_optimizer
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.from_recipe_model(recipe.model))
-    opt = build_optimizer(model.parameters(), recipe.optimizer, WeightDecay.of(model))
-    losses = []
-    for _, (x, y) in zip(range(STEPS), StepLoader(dataset, global_batch=recipe.layout().global_batch,
-                                                  data_rank=0, data_size=1, seed=SEED).stream()):
-        loss = gpt_loss(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.gradient_clipping)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    return losses
+    loader = StepLoader(dataset, global_batch=recipe.layout().global_batch, data_rank=0, data_size=1, seed=SEED)
+    return _steps(recipe, [batch for _, batch in zip(range(STEPS), loader.stream())])
 
 
 def _refusals(engine, dataset, calls=("train_step",)) -> dict:
@@ -116,8 +103,13 @@ def _refused_after_backward(engine, like) -> dict:
     own = TextBatches(m.vocab, m.seq_len, seed=11 + engine.rank).global_batch(0, rows)
     assert [tuple(t.shape) for t in own] == [tuple(t.shape) for t in like]
     short = [t[:5] for t in like] if engine.rank == 3 else like
+    return _train_steps(engine, {"own global batch": own, "rank 3 short": short})
+
+
+def _train_steps(engine, batches: dict) -> dict:
+    """``train_step`` of each batch: {case: (error type, message, seconds)} (None, "not refused" when it trained)."""
     out = {}
-    for case, batch in (("own global batch", own), ("rank 3 short", short)):
+    for case, batch in batches.items():
         start = time.perf_counter()
         try:
             engine.train_step(batch)
@@ -156,14 +148,7 @@ def _pure_data_parallel(engine, dataset) -> dict:
     per_process = next(iter(DataLoader(dataset, batch_size=lay.global_batch, sampler=DistributedSampler(dataset))))
     same_share = [t[:lay.global_batch // engine.data_size] for t in dataset_batch(dataset, lay.global_batch)]
     short = dataset_batch(dataset, 5)  # every rank 5 rows: a short last batch
-    out = {}
-    for case, batch in (("per process", per_process), ("same share", same_share), ("short", short)):
-        start = time.perf_counter()
-        try:
-            engine.train_step(batch)
-            out[case] = (None, "not refused", time.perf_counter() - start)
-        except Exception as e:  # the type is asserted by the test
-            out[case] = (type(e).__name__, str(e), time.perf_counter() - start)
+    out = _train_steps(engine, {"per process": per_process, "same share": same_share, "short": short})
     x, y = TextBatches(engine.recipe.model.vocab, engine.recipe.model.seq_len, seed=5).global_batch(0, lay.global_batch)
     share = lay.global_batch // engine.data_size
     out["global"] = engine.eval_step((x, y))
