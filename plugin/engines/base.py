@@ -70,7 +70,7 @@ class Engine(abc.ABC):
     guard = None
     _step_tokens: int = 0
     _rows = None  # the data contract's check in flight: local_batch starts it, rows_checked waits for it
-    _accepted = None  # (shapes_of, the batch as given) of the last train_step batch the data contract accepted
+    _accepted = None  # (shapes_of, the batch as given: kept) of the last train_step batch the data contract accepted
     # True when the back end calls rows_checked after its backward and before its update, and can drop what a refused
     # step's backward left (discard_step): local_batch may then defer the data contract's verdict to there
     checks_rows_after_backward: bool = False
@@ -266,8 +266,9 @@ class Engine(abc.ABC):
         back end that checks after its backward (:attr:`checks_rows_after_backward`), does not wait for it: the back
         end calls :meth:`rows_checked` after its backward, so the collective runs behind forward and backward.
         Otherwise (an ``eval_step``; a share, whose count the default loss needs summed over the data ranks: that
-        sum is the same collective's; other shapes, which peers must not meet in a collective; a pipeline) it waits
-        here. Under context parallelism the share is then cut into this rank's chunks (:meth:`context_share`)."""
+        sum is the same collective's; other shapes, which peers must not meet in a collective; DeepSpeed's pipeline,
+        whose ``train_batch`` updates inside; Accelerate, which cannot drop a step) it waits here. Under context
+        parallelism the share is then cut into this rank's chunks (:meth:`context_share`)."""
         call = call or ("train_step" if torch.is_grad_enabled() else "eval_step")  # every eval_step runs no_grad
         inputs, labels, convention = split_batch(batch)
         rows = rows_of(inputs)
@@ -300,7 +301,7 @@ class Engine(abc.ABC):
             if call == "train_step":
                 self._accepted = (shapes, batch)
             return self._context_cut(inputs, labels, convention)
-        if not verdict.deferred:
+        if not verdict.deferred or self._accepted is None:
             raise verdict.error
         # Peers deferred their verdict: their batch has the last accepted shapes and they run forward and backward
         # now. Run the last accepted rows beside them, so that every collective meets its peer, and refuse with them

@@ -11,25 +11,26 @@ A rank passes either
 
 Anything else (another row count, e.g. a DataLoader's short last batch without ``drop_last=True``; some ranks the
 global batch and others their share) is refused too. A refusal is a :class:`BatchMismatchError` raised on every rank
-with the same message, before anything trains.
+with the same message, before any update.
 
 How cheap: each rank contributes its fingerprint (:func:`fingerprint`: the row count and one digest each of the
 inputs and of the labels it was given), its share's target-token count, the labels' suspect and whether it deferred
 its verdict to ONE collective, one round (:func:`start_exchange`), after which every rank holds every rank's and
-reaches the same verdict with a few tensor operations (:func:`verdict`), and the same message if it refuses
-(:func:`mismatch_message`, pure). The token count of the global batch, which the default loss needs, is the sum of the
-replicas' counts, so where a rank was given its share this collective replaces the all-reduce over the data group the
-loss made before, and the step waits for it before its forward.
+reaches the same verdict with a few tensor operations (:func:`verdict`; up to 64 ranks on the CPU, in Python), and
+the same message if it refuses (:func:`mismatch_message`, pure). The token count of the global batch, which the
+default loss needs, is the sum of the replicas' counts, so where a rank was given its share this collective replaces
+the all-reduce over the data group the loss made before, and the step waits for it before its forward.
 
 Where the count is known without it (the global batch given, or data 1) the verdict is taken where the step waits
-anyway, after its backward and before the update (:meth:`plugin.engines.base.Engine.rows_checked`), so the collective
-runs behind forward and backward, provided every tensor the rank was given has the shapes (and dtypes, and keys) of
-the last batch the contract accepted (:func:`shapes_of`). Only then are the forward's and backward's collectives
-(tensor, context and data peers) sure to meet buffers of one size: a rank given other shapes (the first step, a new
-sequence length, a wrong row count) waits before its forward. If that verdict refuses while peers deferred theirs,
-the rank runs the last accepted rows beside them, so every rank refuses at the same point, after its backward: the
-back end then drops what that backward left (:meth:`~plugin.engines.base.Engine.discard_step`) and no update is ever
-applied. ``bench/data_contract.py`` measures the cost.
+anyway, after its backward and before the update (:meth:`plugin.engines.base.Engine.rows_checked`: the native
+engines, pipelines included, and DeepSpeed's but for its pipeline, whose ``train_batch`` updates inside), so the
+collective runs behind forward and backward, provided every tensor the rank was given has the shapes (and dtypes,
+and keys) of the last batch the contract accepted (:func:`shapes_of`). Only then are the forward's and backward's
+collectives (tensor, context and data peers) sure to meet buffers of one size: a rank given other shapes (the first
+step, a new sequence length, a wrong row count) waits before its forward. If that verdict refuses while peers
+deferred theirs, the rank runs the last accepted rows beside them, so every rank refuses at the same point, after
+its backward: the back end then drops what that backward left (:meth:`~plugin.engines.base.Engine.discard_step`)
+and no update is ever applied. ``bench/data_contract.py`` measures the cost.
 
 A digest is exact integer arithmetic on the tensor's bits (no float rounding, NaN equals itself): the bits
 read as integers of the element's width, times fixed pseudo-random odd 64-bit weights, one per position,

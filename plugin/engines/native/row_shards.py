@@ -93,7 +93,8 @@ class RowShards:
             self.buckets.append(_Bucket(current))
         self.bucket_of = {id(s.param): b for b in self.buckets for s in b.slots}
         self.started = 0  # buckets whose reduce-scatter this backward has started, in order
-        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
 
     # ------------------------------------------------------------------ what the optimizer and the checkpoint see
     def shards(self) -> list[torch.Tensor]:
@@ -199,8 +200,4 @@ class RowShards:
         for group in groups:
             group["params"] = [self.slots[id(p)].shard for p in group["params"] if id(p) in self.slots]
         return cls([g for g in groups if g["params"]], **kwargs)
-
-    def close(self) -> None:
-        for h in self.hooks:
-            h.remove()
 
