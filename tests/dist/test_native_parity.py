@@ -1,7 +1,8 @@
 """The native back end (DDP / ZeroRedundancyOptimizer / FSDP2 / torch.distributed.pipelining) and Accelerate's
 own engine compute what one process computes, under ``torchrun`` and under ``accelerate launch``: fp32, per-step
-losses within rtol 1e-4 of ``python train.py --recipe cpu_single``; a run saved at step 5 and resumed gives steps
-6-10 of the uninterrupted run.
+losses and gradient norms within rtol 1e-4 of ``python train.py --recipe cpu_single`` (the losses alone cannot see a
+gradient off by a constant factor: clipping and Adam make the same update); a run saved at step 5 and resumed gives
+steps 6-10 of the uninterrupted run.
 
 How the launches are spent: a layout runs twice, once per launcher, as the two halves of one save/resume: steps 1-5
 and --save under one launcher, --resume and steps 6-10 under the other. So both launchers train it, every step is
@@ -66,21 +67,41 @@ SUBSET_WITH_DEEPSPEED = {
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def single(tmp_path_factory):
     """cpu_single, one plain python process, 10 uninterrupted steps (DeepSpeed's engine where installed)."""
     run = train("cpu_single", 1, tmp_path_factory.mktemp("reference"), launcher="python", steps=STEPS)
     assert sorted(run.losses) == list(range(1, STEPS + 1)), run.log()
     assert run.losses[STEPS] < run.losses[1], "the reference must learn something, or parity proves little"
     assert run.backend == ("deepspeed" if HAS_DEEPSPEED else "native"), run.log()
-    return run.losses
+    return run
 
 
-def assert_same_losses(run, want: dict, steps):
+@pytest.fixture(scope="module")
+def reference(single):
+    """The one-process run's losses."""
+    return single.losses
+
+
+@pytest.fixture(scope="module")
+def reference_norms(single):
+    """The one-process run's gradient norms before clipping: the losses alone cannot see a gradient off by a constant
+    factor (clipping below the norm and Adam's scale invariance make the same update), the norm can."""
+    norms = {r["step"]: r["grad_norm"] for r in single.records}
+    assert all(isinstance(n, float) and n > 0 for n in norms.values()), norms
+    return norms
+
+
+def assert_same_losses(run, want: dict, steps, norms: dict | None = None):
+    """The run's losses (and, given the reference's ``norms``, its gradient norms) equal the reference's."""
+    got_norms = {r["step"]: r["grad_norm"] for r in run.records}
     for step in steps:
         assert step in run.losses, f"step {step} missing\n{run.log()}"
         got = run.losses[step]
         assert math.isclose(got, want[step], rel_tol=RTOL, abs_tol=0), \
             f"step {step}: {got!r} != reference {want[step]!r} (rtol {RTOL})\n{run.log()}"
+        if norms is not None:
+            assert math.isclose(got_norms[step], norms[step], rel_tol=RTOL, abs_tol=0), \
+                f"step {step}: gradient norm {got_norms[step]!r} != reference {norms[step]!r} (rtol {RTOL})"
 
 
 def expected_backend(name: str, launcher: str) -> str:
@@ -99,27 +120,27 @@ def assert_backend(run, name: str, launcher: str) -> None:
         assert "note: accelerate launch: ZeRO-" in run.stderr and f"Accelerate's {mode}" in run.stderr, run.log()
 
 
-def split_run(name, recipe, launchers, reference, tmp_path):
+def split_run(name, recipe, launchers, reference, tmp_path, norms=None):
     """Steps 1-5 and --save under launchers[0], --resume and steps 6-10 under launchers[1]."""
     ckpt = tmp_path / "ckpt"
     first = train(recipe, 4, tmp_path, launcher=launchers[0], steps=SAVE_AT, extra=["--save", ckpt], timeout=TIMEOUT)
     assert_backend(first, name, launchers[0])
-    assert_same_losses(first, reference, range(1, SAVE_AT + 1))
+    assert_same_losses(first, reference, range(1, SAVE_AT + 1), norms)
     second = train(recipe, 4, tmp_path, launcher=launchers[1], steps=STEPS, extra=["--resume", ckpt], timeout=TIMEOUT)
     assert_backend(second, name, launchers[1])
     assert sorted(second.losses) == list(range(SAVE_AT + 1, STEPS + 1)), second.log()
-    assert_same_losses(second, reference, range(SAVE_AT + 1, STEPS + 1))
+    assert_same_losses(second, reference, range(SAVE_AT + 1, STEPS + 1), norms)
 
 
-def whole_run(name, recipe, launcher, reference, tmp_path):
+def whole_run(name, recipe, launcher, reference, tmp_path, norms=None):
     run = train(recipe, 4, tmp_path, launcher=launcher, steps=STEPS, timeout=TIMEOUT)
     assert_backend(run, name, launcher)
-    assert_same_losses(run, reference, range(1, STEPS + 1))
+    assert_same_losses(run, reference, range(1, STEPS + 1), norms)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.nods) if n in WITHOUT_DEEPSPEED_LAYOUTS else n
                                   for n in LAYOUTS])
-def test_layout_matches_single_process_under_both_launchers(name, reference, tmp_path):
+def test_layout_matches_single_process_under_both_launchers(name, reference, reference_norms, tmp_path):
     base, blocks = LAYOUTS[name]
     if HAS_DEEPSPEED:
         if name not in SUBSET_WITH_DEEPSPEED:
@@ -127,16 +148,16 @@ def test_layout_matches_single_process_under_both_launchers(name, reference, tmp
         launcher_field, launchers = SUBSET_WITH_DEEPSPEED[name]
         recipe = recipe_variant(base, tmp_path, name, **blocks, launcher=launcher_field)
         if len(launchers) == 1:
-            whole_run(name, recipe, launchers[0], reference, tmp_path)
+            whole_run(name, recipe, launchers[0], reference, tmp_path, reference_norms)
         else:
-            split_run(name, recipe, launchers, reference, tmp_path)
+            split_run(name, recipe, launchers, reference, tmp_path, reference_norms)
         return
     if name not in WITHOUT_DEEPSPEED_LAYOUTS:
         pytest.skip("Accelerate's DeepSpeed plugin needs deepspeed")
     recipe = recipe_variant(base, tmp_path, name, **blocks)
-    split_run(name, recipe, WITHOUT_DEEPSPEED_LAYOUTS[name], reference, tmp_path)
+    split_run(name, recipe, WITHOUT_DEEPSPEED_LAYOUTS[name], reference, tmp_path, reference_norms)
     if name in ACCELERATE_ENGINE:
-        whole_run(name, recipe, "torchrun", reference, tmp_path)
+        whole_run(name, recipe, "torchrun", reference, tmp_path, reference_norms)
 
 
 @pytest.mark.nods
