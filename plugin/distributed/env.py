@@ -10,10 +10,24 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import Problem, RecipeError
 from ..recipe.checks import check_recipe
+
+# How long a rank other than 0 waits, after a refusal every rank reached, before it exits (:func:`let_rank_0_speak`)
+RANK_0_SPEAKS_S = 15.0
+
+
+def let_rank_0_speak(environ: Mapping[str, str] = os.environ, wait_s: float = RANK_0_SPEAKS_S) -> None:
+    """Where every rank reached the same refusal and rank 0 alone prints it, the other ranks wait ``wait_s`` before
+    they exit. A launcher stops every rank as soon as one has exited: DeepSpeed's runner, under load, killed rank 0
+    before its message when rank 1 exited first, and the job ended saying nothing. Under a launcher rank 0's own exit
+    ends the wait (the launcher stops the rest); started by hand, each rank exits after it."""
+    if environ.get("RANK", "0") != "0" and int(environ.get("WORLD_SIZE", "1") or 1) > 1:
+        time.sleep(wait_s)
 
 
 @dataclass(frozen=True)
@@ -63,10 +77,13 @@ def ensure_single_process_env() -> None:
 def check_launch(recipe, env: LaunchEnv) -> None:
     """Raise :class:`RecipeError` (on every rank alike) if the launched world does not fit the recipe.
 
-    Only rank 0 prints; every rank raises, so all of them exit before any collective could hang.
+    Only rank 0 prints (the others give it time to: :func:`let_rank_0_speak`); every rank raises, so all of them
+    exit before any collective could hang.
     """
     problems = [p for p in check_recipe(recipe, env.world_size) if p.is_error]
     if problems:
         if env.is_main:
             print("\n".join(p.format() for p in problems), file=sys.stderr, flush=True)
+        else:
+            let_rank_0_speak()
         raise RecipeError(problems)

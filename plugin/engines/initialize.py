@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ..distributed.env import check_launch, ensure_single_process_env, launch_env
+from ..distributed.env import check_launch, ensure_single_process_env, launch_env, let_rank_0_speak
 from ..errors import PluginError, Problem, RecipeError
 from ..interop.precision import PRECISIONS
 from ..recipe.checks import check_deepspeed_back_end, check_native_back_end, load_recipe
@@ -154,8 +154,12 @@ def _check_context_parallel(model, recipe: Recipe, backend: str, env) -> None:
 
 
 def _fail(problems: list[Problem], env) -> None:
+    """Every rank reached these problems: rank 0 prints them, the others give it time to (a launcher stops every rank
+    once one has exited), then every rank raises."""
     if env.is_main:
         print("\n".join(p.format() for p in problems), file=sys.stderr, flush=True)
+    else:
+        let_rank_0_speak()
     raise RecipeError(problems)
 
 

@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Mapping
 
+from ..distributed.env import let_rank_0_speak
 from .interrupt import GRACE_S, Interrupts
 from .lock import JobLockedError, SaveLock, run_id, used_refusal
 
@@ -89,5 +90,7 @@ class Job:
         """End this start before its first step: ``text`` on stderr (every rank's, or rank 0's alone where every
         rank reached the same verdict), then exit 2 (``SystemExit``, as argparse's error: ``finally`` blocks run)."""
         if everyone or self.rank0:
-            print(text, file=sys.stderr)
+            print(text, file=sys.stderr, flush=True)
+        if not everyone:
+            let_rank_0_speak()
         raise SystemExit(2)

@@ -12,7 +12,8 @@
 * the config each running engine holds (``DeepSpeedEngine.config``) equals the exported ds_config
   (:func:`plugin.interop.deepspeed_config.to_ds_config`) key by key, but for the keys the engine documents it adjusts
   (:data:`plugin.engines.deepspeed.config.ENGINE_ADJUSTED_KEYS`), for that pipeline, ZeRO-1 with optimizer offload
-  at tp2 x dp2 (with an lr_schedule, whose exported scheduler block the engine drops), and ZeRO-3 at dp4.
+  at tp2 x dp2 (with an lr_schedule, whose exported scheduler block the engine drops), context 2 x pipeline 2 (its
+  grid's batch triple) and ZeRO-3 at dp4.
 
 The native back end's recompute is held to the same in :mod:`.test_native_engine`; both back ends' recompute
 (full and selective, with and without pipelines) against no recompute, gradient for gradient, in :mod:`.test_recompute`.
@@ -106,6 +107,9 @@ def _run_all(rank, world_size, ckpt):
     _steps(resumed, 0, 1)  # and the tensor-parallel streams moved on too
     assert resumed.load(ckpt)["step"] == SAVE_AFTER
     out["resumed"] = _steps(resumed, SAVE_AFTER, STEPS)
+    # context 2 x pipeline 2: the grid counts data x context ranks in its batch triple (train_batch_size x context)
+    recipe = _recipe("cpu_pp2_dp2", parallelism={"data": 1, "tensor": 1, "pipeline": 2, "context": 2})
+    gaps["cp2_pp2"] = _config_gap(_engine(recipe), recipe)
     # with an lr_schedule: the export's nearest DeepSpeed scheduler block is dropped for the plugin's LambdaLR
     recipe = _recipe("cpu_tp2_dp2", zero={"stage": 1, "offload_optimizer": "cpu"},
                      lr_schedule={"warmup_steps": 2, "decay": "cosine", "decay_steps": 8})
