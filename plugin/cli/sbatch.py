@@ -49,6 +49,10 @@ def run(args) -> int:
     from ..launch.slurm.batch import BatchOptions, batch_script, plan_batch
     from ..recipe.checks import validate
 
+    if not (ROOT / "launch.sh").exists():
+        print(f"{ROOT}: no launch.sh here (an installed wheel carries neither launch.sh nor train.py) -> run "
+              "python -m plugin sbatch from a checkout of the project, which every node reaches", file=sys.stderr)
+        return EXIT_USAGE
     recipe, problems = validate(args.recipe)
     print_problems(problems)
     if recipe is None:
