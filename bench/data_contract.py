@@ -1,19 +1,20 @@
 """What the data contract's check costs: cpu_dp4 and cpu_tp2_dp2 step time with and without it, side by side.
 
 Every ``train_step`` fingerprints what each rank was given and starts one collective over the world (on gloo an
-all-to-all: :mod:`plugin.engines.data_contract`); given the global batch (as here, and as train.py gives it), the
-step does not wait for it until its first backward (``Engine.rows_checked``), so what the check costs is the time it
-adds to the step: building and starting it, and the wait at the verdict if the collective is not done by then. Here,
-under torchrun with 4 CPU processes (gloo), each back end (native, and DeepSpeed where installed) trains each recipe on
-the same global batches, the check on and off (``engine.check_peer_rows``; off, the loss counts its tokens as it did
-before the check) in pairs of consecutive steps, each pair in a random order (the same on every rank), so both halves
-see the same machine load; each step is timed between barriers. The table gives the median step time of each, their
-ratio, "paired diff" (the mean over pairs of the step with it minus the step without, rank 0, +- two standard
-errors: on a shared 2-core machine the step-to-step noise is several ms), and the check's own time inside the steps
-with it: "start" (fingerprint + start of the collective), "wait" (blocked at the verdict), their sum per step as a
-share of the step without it (median over steps, the larger over ranks), and "blocking" for comparison: the median of
-``--calls`` calls of the same check waited for at once (start + finish, as a step given shares waits), entered
-together after a barrier.
+all-to-all: :mod:`plugin.engines.data_contract`); given the global batch (as here, and as train.py gives it) with the
+shapes of the last accepted one, the step takes the verdict after its backward, before its update
+(``Engine.rows_checked``), so what the check costs is the time it adds to the step: building and starting it, and
+the wait at the verdict if the collective is not done by then. Here, under torchrun with 4 CPU processes (gloo), each
+back end (native, and DeepSpeed where installed) trains each recipe on the same global batches, the check on and off
+(``engine.check_peer_rows``; off, the loss counts its tokens as it did before the check) in pairs of consecutive
+steps, each pair in a random order (the same on every rank), so both halves see the same machine load; each step is
+timed between barriers. The table gives the median step time of each, their ratio, "paired diff" (the mean over
+pairs of the step with it minus the step without, rank 0, +- two standard errors: on a shared 2-core machine the
+step-to-step noise is several ms), and the check's own time inside the steps with it, measured directly as the hang
+guard's heartbeat is (``bench/watchdog.py``): "start" (the shapes compared, the fingerprint, the collective started),
+"wait" (blocked at the verdict), their sum per step as a share of the step without it (median over steps, the larger
+over ranks; the goal: at most 1 %), and "blocking" for comparison: the median of ``--calls`` calls of the same check
+waited for at once (start + finish, as a step given shares or new shapes waits), entered together after a barrier.
 
 Usage: python bench/data_contract.py [--steps 30] [--calls 100]   (relaunches itself under torchrun)
 """
@@ -42,19 +43,26 @@ def worker(steps: int, calls: int) -> None:
     import plugin
     import plugin.engines.base as base
     from plugin.data.text import TextBatches
+    from plugin.engines import data_contract
     from plugin.engines.batches import target_count
     from plugin.engines.data_contract import start_exchange
     from plugin.models.gpt import GPT, GPTConfig
 
     spent = {"start": 0.0, "wait": 0.0}
 
-    def timed_start(*args, **kwargs):
-        begin = time.perf_counter()
-        out = start_exchange(*args, **kwargs)
-        spent["start"] += time.perf_counter() - begin
-        return out
+    def timed(fn, key):
+        def call(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - begin
 
-    base.start_exchange = timed_start  # what local_batch calls
+        return call
+
+    base.start_exchange = timed(start_exchange, "start")  # what local_batch calls
+    base.shapes_of = timed(data_contract.shapes_of, "start")
+    data_contract.RowsExchange.finish = timed(data_contract.RowsExchange.finish, "wait")  # the verdict, wherever
     backends = ["native"] + (["deepspeed"] if importlib.util.find_spec("deepspeed") else [])
     rows, last = [], None
     for name in RECIPES:
@@ -62,14 +70,6 @@ def worker(steps: int, calls: int) -> None:
         for backend in backends:
             torch.manual_seed(0)
             engine = plugin.initialize(GPT(GPTConfig.from_recipe_model(recipe.model)), recipe, backend=backend)
-            checked = engine.rows_checked
-
-            def timed_check(checked=checked):
-                begin = time.perf_counter()
-                checked()
-                spent["wait"] += time.perf_counter() - begin
-
-            engine.rows_checked = timed_check
             lay = engine.layout
             data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
             times, own = {True: [], False: []}, []

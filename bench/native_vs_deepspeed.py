@@ -23,7 +23,8 @@ gradients, optimizer states, buckets, activations, allocator slack), the larger 
 upper-bound-ish figure for host RAM, not tensor bytes: glibc keeps freed memory, and shared pages (a
 /dev/shm buffer) count in every process that touched them.
 
-Usage: python bench/native_vs_deepspeed.py [--steps 20] [--no-rss]   (relaunches itself under torchrun)
+Usage: python bench/native_vs_deepspeed.py [--steps 20] [--no-rss] [--only LABEL ...]   (relaunches itself under
+torchrun; ``--only "cpu_dp4 ZeRO-2"`` runs the rows of those labels alone)
 """
 from __future__ import annotations
 
@@ -84,7 +85,11 @@ def measure_in_next_step(engine) -> dict:
     return found
 
 
-def worker(steps: int) -> None:
+def label_of(name, stage) -> str:
+    return f"{name} ZeRO-{recipe_for(name, stage).zero.stage}"
+
+
+def worker(steps: int, only: list[int]) -> None:
     import torch
     import torch.distributed as dist
 
@@ -93,7 +98,7 @@ def worker(steps: int) -> None:
     from plugin.models.gpt import GPT, GPTConfig
 
     rows = []
-    for name, stage in CASES:
+    for name, stage in (CASES[i] for i in only):
         recipe = recipe_for(name, stage)
         engines = {}
         for backend in BACKENDS:
@@ -117,8 +122,7 @@ def worker(steps: int) -> None:
                     times[backend].append(time.perf_counter() - start)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, {b: {k: held[b][k] for k in KINDS} for b in held})
-        label = f"{name} ZeRO-{recipe.zero.stage}"
-        rows.append({"case": label, "ms": {b: 1e3 * statistics.median(t) for b, t in times.items()},
+        rows.append({"case": label_of(name, stage), "ms": {b: 1e3 * statistics.median(t) for b, t in times.items()},
                      "held": {b: {k: max(g[b][k] for g in gathered) for k in KINDS} for b in engines},
                      "same_losses": all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(*losses.values(), strict=True))})
     if dist.get_rank() == 0:
@@ -177,21 +181,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS launches (one per recipe and engine)")
+    parser.add_argument("--only", nargs="+", metavar="LABEL", help='rows to run, by label ("cpu_dp4 ZeRO-2")')
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cases", help=argparse.SUPPRESS)
     parser.add_argument("--rss-case", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rss-backend", choices=BACKENDS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss_backend:
         return rss_worker(args.rss_case, args.rss_backend)
     if args.worker:
-        return worker(args.steps)
-    found = tagged(launch(["--worker", "--steps", str(args.steps)]), "BENCH")
+        return worker(args.steps, [int(i) for i in args.cases.split(",")])
+    labels = [label_of(*case) for case in CASES]
+    unknown = sorted(set(args.only or []) - set(labels))
+    if unknown:
+        sys.exit(f"--only {unknown}: no such row; the rows are {labels}")
+    only = [i for i, label in enumerate(labels) if not args.only or label in args.only]
+    found = tagged(launch(["--worker", "--steps", str(args.steps), "--cases", ",".join(map(str, only))]), "BENCH")
     if not found:
         sys.exit("benchmark printed no BENCH line")
     rows = found[-1]
     rss = {}
     if not args.no_rss:
-        for case in range(len(CASES)):
+        for case in only:
             for backend in BACKENDS:
                 for r in tagged(launch(["--rss-case", str(case), "--rss-backend", backend]), "RSS"):
                     rss[r["case"], r["backend"]] = r["kib"] * 1024
@@ -203,7 +214,7 @@ def main() -> None:
     for kind in columns:
         head += f"{kind + ' DS':>16}{'native':>12}{'ratio':>7}"
     print(head + "  same losses")
-    for i, r in enumerate(rows):
+    for i, r in zip(only, rows, strict=True):
         ds, nat = r["held"]["deepspeed"], r["held"]["native"]
         line = f"{r['case']:<20}{r['ms']['deepspeed']:>8.1f}{r['ms']['native']:>11.1f}" \
                f"{r['ms']['native'] / r['ms']['deepspeed']:>7.2f}"

@@ -7,9 +7,9 @@ The norm is the 2-norm of the whole model's gradient, as one process would compu
   once per tensor group, on tensor rank 0, exactly like DeepSpeed's ``clip_grad_norm_`` with an mpu;
 * every pipeline stage holds different layers, so the sums of squares are added over the pipeline group
   (the model group is tensor x pipeline: one all-reduce covers both);
-* FSDP2 shards (DTensor gradients, ZeRO-2/3) hold a piece of each gradient per data rank: their sums of
-  squares are added over the data group first. DDP / ZeRO-1 gradients are already averaged and whole on
-  every data rank: they are not.
+* FSDP2 shards (DTensor gradients) and the native ZeRO-2's row shards (plain tensors, ``data_sharded``) hold a
+  piece of each gradient per data rank: their sums of squares are added over the data group first. DDP / ZeRO-1
+  gradients are already averaged and whole on every data rank: they are not.
 
 Then ``clip_coef = max_norm / (norm + 1e-6)``, applied when below 1 (torch's ``clip_grads_with_norm_``,
 the same formula as DeepSpeed's). Sequence-parallel norm weights already carry their summed gradient
@@ -45,9 +45,10 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], *, tensor_sharded: se
     """The global 2-norm of the gradients of ``params`` (this rank's parameters), the same on every rank.
 
     ``tensor_sharded``: ids of the parameters sharded by tensor parallelism. ``model_group`` (size
-    ``model_size``): tensor x pipeline peers. ``data_group`` with ``data_sharded=True``: the FSDP2 data
-    group over which DTensor gradients are split (a collective every data rank must join). ``skip``: ids of
-    parameters counted on another rank (a weight tied across pipeline stages counts on its first holder only).
+    ``model_size``): tensor x pipeline peers. ``data_group`` with ``data_sharded=True``: the data group over which
+    every gradient is split (FSDP2's DTensors, ZeRO-2's row shards; a collective every data rank must join).
+    ``skip``: ids of parameters counted on another rank (a weight tied across pipeline stages counts on its first
+    holder only).
     """
     whole, pieces = [], []
     for p in params:
@@ -55,7 +56,7 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], *, tensor_sharded: se
         if p.grad is None or id(p) in skip or (tp_rank != 0 and id(p) not in tensor_sharded):
             continue
         local, is_piece = _local(p.grad.detach())
-        (pieces if is_piece else whole).append(local)
+        (pieces if is_piece or data_sharded else whole).append(local)
     device = device or torch.device("cpu")
     total = _sum_of_squares(whole, device)
     if data_sharded:

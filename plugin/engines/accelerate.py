@@ -74,7 +74,7 @@ class AccelerateEngine(Engine):
         for inputs, labels in self.micro_batches(batch):
             with acc.accumulate(self.model):
                 loss = self.loss_fn(self.call_model(self.model, inputs), labels)
-                self.rows_checked()  # the data contract's verdict, its collective run behind the first forward
+                self.rows_checked()  # a no-op: local_batch took the verdict (Accelerate cannot discard a step)
                 acc.backward(loss)  # divides by grad_accum (DeepSpeed: its own backward does)
                 if acc.sync_gradients and self.mode != "deepspeed":  # DeepSpeed clips itself
                     # torch's norm, returned; max_norm inf (no clipping) still measures it (its scale factor is 1)

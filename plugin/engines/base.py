@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..errors import PluginError
 from .batches import HF, SHIFTED, map_tensors, micro_batches, rows_of, shard_rows, split_batch, target_count
-from .data_contract import BatchMismatchError, start_exchange
+from .data_contract import BatchMismatchError, shapes_of, start_exchange
 
 
 def _convention_suspect(inputs, labels, convention: str) -> int:
@@ -70,10 +70,10 @@ class Engine(abc.ABC):
     guard = None
     _step_tokens: int = 0
     _rows = None  # the data contract's check in flight: local_batch starts it, rows_checked waits for it
-    # True when the module's forward makes no collective across data replicas (DDP of a model without buffers,
-    # DeepSpeed ZeRO-0-2 without pipelines): at tensor = pipeline = 1 the data contract's verdict then waits until the
-    # first backward (rows_checked), its collective running behind the forward
-    forward_is_local: bool = False
+    _accepted = None  # (shapes_of, the batch as given: kept) of the last train_step batch the data contract accepted
+    # True when the back end calls rows_checked after its backward and before its update, and can drop what a refused
+    # step's backward left (discard_step): local_batch may then defer the data contract's verdict to there
+    checks_rows_after_backward: bool = False
     # this rank's wish to stop (plugin.job sets it): last_step.stop_requested is then any rank's, the same everywhere
     stop_request: Callable[[], bool] | None = None
     _meter = None
@@ -261,14 +261,14 @@ class Engine(abc.ABC):
         It starts the data contract's check (:mod:`plugin.engines.data_contract`), on every layout: one collective
         that gives every rank every rank's fingerprint of what it was given and its share's target tokens. Rows that
         break the contract, or a wrong row count on any rank, raise
-        :class:`~plugin.engines.data_contract.BatchMismatchError` on every rank before anything is trained. A
-        ``train_step`` given the global batch (whose token count every rank knows) on a back end whose forward
-        makes no collective across data replicas (:attr:`forward_is_local`), at tensor = pipeline = 1, does not wait
-        for it: the back end calls :meth:`rows_checked` before its first backward, so the collective runs behind the
-        first forward. Otherwise (an ``eval_step``; a share, whose count the default loss needs summed over the data
-        ranks: that sum is the same collective's; tensor or pipeline peers, whose forward must not start on rows of
-        another shape) it waits here. Under context parallelism the share is then cut into this rank's chunks
-        (:meth:`context_share`)."""
+        :class:`~plugin.engines.data_contract.BatchMismatchError` on every rank before any update. A ``train_step``
+        given the global batch (whose token count every rank knows) with the shapes of the last accepted one, on a
+        back end that checks after its backward (:attr:`checks_rows_after_backward`), does not wait for it: the back
+        end calls :meth:`rows_checked` after its backward, so the collective runs behind forward and backward.
+        Otherwise (an ``eval_step``; a share, whose count the default loss needs summed over the data ranks: that
+        sum is the same collective's; other shapes, which peers must not meet in a collective; DeepSpeed's pipeline,
+        whose ``train_batch`` updates inside; Accelerate, which cannot drop a step) it waits here. Under context
+        parallelism the share is then cut into this rank's chunks (:meth:`context_share`)."""
         call = call or ("train_step" if torch.is_grad_enabled() else "eval_step")  # every eval_step runs no_grad
         inputs, labels, convention = split_batch(batch)
         rows = rows_of(inputs)
@@ -276,14 +276,7 @@ class Engine(abc.ABC):
         local_rows = lay.micro_batch * lay.grad_accum
         given = (inputs, labels)
         wrong = rows not in (lay.global_batch, local_rows)
-        whole = None
-        # At data 1 the global batch is the local share: nothing to cut.
-        if rows == lay.global_batch and rows != local_rows:
-            whole = labels
-            inputs, labels = shard_rows((inputs, labels), self.dp_rank, lay.data)
-        inputs = map_tensors(inputs, lambda t: t.to(self.device, non_blocking=True))
-        labels = labels.to(self.device, non_blocking=True)
-        self._step_tokens = whole.numel() if whole is not None else labels.numel() * lay.data  # the global batch's
+        inputs, labels, whole = self._share(inputs, labels)
         first = inputs if call == "train_step" and not wrong else None
         if not self.check_peer_rows:  # bench/data_contract.py's baseline: the loss's own count, as before the check
             if wrong:
@@ -291,20 +284,44 @@ class Engine(abc.ABC):
                                          f"this rank's share ({local_rows})")
             self._count_before_the_check(labels, convention, whole, first)
             return self._context_cut(inputs, labels, convention)
+        shapes = shapes_of(given)
+        later = (call == "train_step" and self.checks_rows_after_backward and rows == lay.global_batch
+                 and self._accepted is not None and self._accepted[0] == shapes)
         tokens = torch.zeros((), dtype=torch.int64) if wrong else target_count(labels, convention)
         exchange = start_exchange(None if wrong else given, rows, tokens, self._suspect(first, labels, convention),
                                   self.topology, global_rows=lay.global_batch, local_rows=local_rows,
-                                  device=self.device)
-        self._rows = (exchange, call, convention)
-        # wait now unless nothing before the first backward needs the verdict: the count is known here, and no
-        # collective in the forward could meet a peer that already refused (module docstring of data_contract)
-        later = (self.forward_is_local and lay.tensor * lay.pipeline * lay.context == 1
-                 and (whole is not None or lay.data == 1))
-        if call == "train_step" and not wrong and later:
+                                  device=self.device, deferred=later)
+        if later:  # the verdict after the backward (rows_checked); the count is this batch's own
+            self._rows = (exchange, call, convention, shapes, batch)
             self._give_loss(int(target_count(whole if whole is not None else labels, convention)), convention)
-        else:
-            self.rows_checked()
+            return self._context_cut(inputs, labels, convention)
+        verdict = exchange.finish(call)
+        if verdict.error is None:
+            self.prepare_loss(verdict.tokens, verdict.suspect, convention)
+            if call == "train_step":
+                self._accepted = (shapes, batch)
+            return self._context_cut(inputs, labels, convention)
+        if not verdict.deferred or self._accepted is None:
+            raise verdict.error
+        # Peers deferred their verdict: their batch has the last accepted shapes and they run forward and backward
+        # now. Run the last accepted rows beside them, so that every collective meets its peer, and refuse with them
+        # after the backward (rows_checked).
+        self._rows = verdict.error
+        inputs, labels, convention = split_batch(self._accepted[1])
+        inputs, labels, whole = self._share(inputs, labels)
+        self._give_loss(int(target_count(whole if whole is not None else labels, convention)), convention)
         return self._context_cut(inputs, labels, convention)
+
+    def _share(self, inputs, labels):
+        """``(inputs, labels, whole)``: this data rank's rows of what was given, on the engine's device; ``whole``
+        the labels of the global batch when it was given (None for a share, and at data 1: nothing to cut)."""
+        lay, whole = self.layout, None
+        if rows_of(inputs) == lay.global_batch and lay.global_batch != lay.micro_batch * lay.grad_accum:
+            whole = labels
+            inputs, labels = shard_rows((inputs, labels), self.dp_rank, lay.data)
+        inputs = map_tensors(inputs, lambda t: t.to(self.device, non_blocking=True))
+        self._step_tokens = whole.numel() if whole is not None else labels.numel() * lay.data  # the global batch's
+        return inputs, labels.to(self.device, non_blocking=True), whole
 
     def _context_cut(self, inputs, labels, convention: str):
         if self.layout.context > 1:  # after the verdict: the default loss's denominator is known
@@ -330,16 +347,32 @@ class Engine(abc.ABC):
         return inputs, labels
 
     def rows_checked(self) -> None:
-        """Wait for the data contract's collective that :meth:`local_batch` started, and raise on every rank when the
-        rows break it, or their labels fail the checks of :meth:`prepare_loss`; then nothing is pending (a second
-        call returns at once). Every back end calls it before its first backward (a pipeline: before its schedule),
-        so nothing is trained before the verdict; :meth:`train_step` asserts it did."""
+        """Take the data contract's verdict that :meth:`local_batch` deferred, and raise on every rank when the rows
+        break it or their labels fail :meth:`check_labels` (after :meth:`discard_step`: nothing of the refused
+        step is left to train on); then nothing is pending (a second call returns at once). A back end whose
+        :attr:`checks_rows_after_backward` calls it after its (last) backward and before its update; every back end
+        calls it before its update (a pipeline: before its schedule), so nothing is updated before the verdict;
+        :meth:`train_step` asserts it did."""
         pending, self._rows = self._rows, None
         if pending is None:
             return
-        exchange, call, convention = pending
-        n, suspect = exchange.finish(call)
-        self.prepare_loss(n, suspect, convention)
+        try:
+            if isinstance(pending, BatchMismatchError):  # this rank ran the last accepted rows beside its peers
+                raise pending
+            exchange, call, convention, shapes, batch = pending
+            verdict = exchange.finish(call)
+            if verdict.error is not None:
+                raise verdict.error
+            self.check_labels(verdict.tokens, verdict.suspect, convention)
+        except PluginError:
+            self.discard_step()
+            raise
+        self._accepted = (shapes, batch)
+
+    def discard_step(self) -> None:
+        """Drop what this step's backward left (gradients, a back end's accumulation state), so that a step refused
+        after its backward changes nothing. A back end whose :attr:`checks_rows_after_backward` implements it."""
+        raise NotImplementedError(f"{type(self).__name__} checks rows after its backward but cannot discard a step")
 
     def _suspect(self, inputs, labels, convention: str) -> int:
         """1 when the first train_step's (``inputs`` given) labels look like the other convention's, else 0."""
@@ -351,12 +384,18 @@ class Engine(abc.ABC):
             self.loss_fn.prepare(n / (self.loss_replicas * self.layout.grad_accum), convention)
 
     def prepare_loss(self, n: int, suspect: int, convention: str) -> None:
-        """Check the step's labels and give the default loss (one with ``prepare``) its denominator ``N / (data x
-        grad_accum)``, ``N`` = ``n``, the non-ignored targets of the global batch; ``suspect``: whether any rank's
-        labels looked like the other convention's. Both are the world's (the data contract's collective), so every
-        rank raises alike: on ``N == 0``, and on the first ``train_step`` when the labels' convention looks wrong,
-        since a wrong one trains without any error: tuple labels equal to the inputs (the model would learn to copy
-        its input), or dict labels equal to ``input_ids`` shifted by one (shifted twice)."""
+        """:meth:`check_labels`, then give the default loss (one with ``prepare``) its denominator ``N / (data x
+        grad_accum)``, ``N`` = ``n``, the non-ignored targets of the global batch."""
+        self.check_labels(n, suspect, convention)
+        self._give_loss(n, convention)
+
+    def check_labels(self, n: int, suspect: int, convention: str) -> None:
+        """For the default loss (one with ``prepare``): ``n``, the non-ignored targets of the global batch, and
+        ``suspect``, whether any rank's labels looked like the other convention's, are the world's (the data
+        contract's collective), so every rank raises alike: on ``n == 0``, and on the first ``train_step`` when the
+        labels' convention looks wrong, since a wrong one trains without any error: tuple labels equal to the inputs
+        (the model would learn to copy its input), or dict labels equal to ``input_ids`` shifted by one (shifted
+        twice)."""
         if not hasattr(self.loss_fn, "prepare"):
             return
         if suspect and convention == HF:
@@ -371,7 +410,6 @@ class Engine(abc.ABC):
             raise PluginError(f"step {self.step_count + 1}: the global batch has no target token (every label is "
                               "-100" + (", and the shift drops each row's first label" if convention == HF else "")
                               + ") -> check the labels' padding")
-        self._give_loss(n, convention)
 
     def micro_batch_modules(self) -> list:
         """The modules the back end runs once per micro-batch (the hang guard's phase hooks sit on them): the model;

@@ -10,7 +10,9 @@ has one after each step (``engine.last_step.stop_requested``, carried by the ste
 stops after the same step, and only when every rank reached it), and the loop saves that step and ends. Meanwhile a
 grace timer runs (``grace_s``, 25 s by default: shorter than the 30 s torchrun and DeepSpeed's launcher wait between
 their SIGTERM and SIGKILL): a process still running when it ends (a step or a save that did not finish, a peer that
-is gone) ends at once, without its checkpoint. A second SIGINT, at least ``echo_s`` after the first, ends it at once.
+is gone) ends at once, without its checkpoint. A second SIGINT, at least ``echo_s`` after the first, ends it at once;
+a later SIGTERM does not (torchrun sends one to the other workers as soon as one fails, and passes a second Ctrl-C on
+as SIGTERM): the step is still saved.
 
 The signals are read from Python's wakeup fd (``signal.set_wakeup_fd``) by a thread, so the request, the second
 SIGINT and the grace's end act at once even while the main thread waits inside a collective or a C++ kernel; the

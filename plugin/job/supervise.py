@@ -1,18 +1,18 @@
 """launch.sh's side of a stop: run the launcher as a child, hand a SIGINT / SIGTERM to the workers, leave no process.
 
 The launchers handle a signal of their own in ways that lose the run or print a traceback: DeepSpeed's runner dies on
-SIGINT with a KeyboardInterrupt traceback and passes nothing on (its ``launch.py`` and the workers train on), on
-SIGTERM it dies silently; torchrun and ``accelerate launch`` pass the signal on but then raise their
-``SignalException`` (a traceback) whatever the workers did. So :func:`run` starts the launcher in a session of its
-own (a terminal's Ctrl-C then reaches launch.sh alone) and, on SIGINT or SIGTERM, sends that signal to the workers
-themselves (:func:`workers`: the topmost processes of the launcher's tree with ``RANK`` in their environment, not
-their DataLoader workers or compilers), which stop at the next step boundary and save it (:mod:`.interrupt`), exit,
-and let their launcher end as after a finished run. A second SIGINT is passed on too (the workers then stop at
-once). launch.sh is the child subreaper of the launcher's tree (orphans stay its descendants): whatever of the tree
-is still there a second after the workers it stopped have ended (the launcher: nothing left for it to run), or
-``grace_s`` after the first signal, or ``grace_s`` after the launcher has exited, is killed (SIGKILL):
-no orphan. launch.sh then exits with 128 + the signal's number. Linux (``/proc``, ``prctl``); elsewhere the signal
-goes to the launcher's whole process group instead.
+SIGINT with a KeyboardInterrupt traceback and passes nothing on (its ``launch.py`` and the workers train on), on SIGTERM
+it dies silently; torchrun passes the signal on but then raises torch's ``SignalException`` (a traceback, exit 1)
+whatever the workers did, and both it and ``accelerate launch`` print torch's agent's warning lines. So :func:`run`
+starts the launcher in a session of its own (a terminal's Ctrl-C then reaches launch.sh alone) and, on SIGINT or
+SIGTERM, sends that signal to the workers themselves (:func:`workers`: the topmost processes of the launcher's tree with
+``RANK`` in their environment, not their DataLoader workers or compilers), which stop at the next step boundary and save
+it (:mod:`.interrupt`), exit, and let their launcher end as after a finished run. A second SIGINT is passed on too (the
+workers then stop at once). launch.sh is the child subreaper of the launcher's tree (orphans stay its descendants):
+whatever of the tree is still there a second after the workers it stopped have ended (the launcher: nothing left for it
+to run), or ``grace_s`` after the first signal, or ``grace_s`` after the launcher has exited, is killed (SIGKILL): no
+orphan. launch.sh then exits with 128 + the signal's number. Linux (``/proc``, ``prctl``); elsewhere the signal goes to
+the launcher's whole process group instead.
 """
 from __future__ import annotations
 

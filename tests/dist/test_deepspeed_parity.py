@@ -125,8 +125,11 @@ def test_world_size_mismatch_exits_on_every_rank_without_hanging(tmp_path):
                          r"(?:process \d+ spawned|.*exits with return code)", text, re.M)]
     assert len(stamps) >= 3, run.log()
     # A hang waits out a rendezvous or a collective (minutes); a refusal is each rank's imports and the check, a few
-    # seconds on a quiet machine, 10.03 s seen with the suite's other processes on the same 2 cores.
-    assert (stamps[-1] - stamps[0]).total_seconds() < 30, run.log()
+    # seconds on a quiet machine (bench/refusal.py), 10.03 s seen with the suite's other processes on the same 2
+    # cores: the ceiling tells the two apart on a machine twice as slow and loaded
+    took = (stamps[-1] - stamps[0]).total_seconds()
+    print(f"deepspeed: every rank refused {took:.1f} s after the launcher spawned them")
+    assert took < 60, run.log()
 
 
 @pytest.mark.parametrize("model", [pytest.param("gpt2", marks=pytest.mark.slow), "llama"])

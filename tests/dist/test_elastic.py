@@ -8,8 +8,8 @@ must equal one plain python process's loss at that step (rel 1e-4), the steps re
 The third node is started while the survivor's workers are held (SIGSTOP) after their first step alone and let go
 once the survivor's agent has seen it waiting (and stops them for the new round): the survivor cannot finish the
 run in the seconds a new agent takes to start, whatever the machine's load. One case per back end, as the
-multinode tests do: the native back end (``"launcher": "torchrun"``) runs where deepspeed is not installed (.ci/run's
-second venv), DeepSpeed's engine under torchrun where it is. ``ELASTIC_KILL_SEED`` draws the step of the loss (printed).
+multinode tests do, both in .ci/run's slow step: the native back end (``"launcher": "torchrun"``) and DeepSpeed's
+engine under torchrun. ``ELASTIC_KILL_SEED`` draws the step of the loss (printed).
 """
 from __future__ import annotations
 
@@ -141,16 +141,14 @@ def _wait(what: str, ready, nodes, limit: float = 300) -> None:
 
 
 CASES = {"native": "torchrun", "deepspeed": "auto"}  # back end -> the recipe's launcher field
-# the native case runs in .ci/run's venv without deepspeed, the DeepSpeed one in its slow step
-MARKS = {"native": [], "deepspeed": [pytest.mark.slow]}
 
 
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=MARKS[b]) for b in CASES])
+# both in .ci/run's slow step (minutes each: three agents, a loss and a join); the native case forced by its recipe
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", list(CASES))
 def test_lose_a_node_then_gain_one_with_one_process_losses(backend, reference, tmp_path):
     if backend == "deepspeed" and not HAS_DEEPSPEED:
         pytest.skip("deepspeed is not installed")
-    if backend == "native" and HAS_DEEPSPEED:
-        pytest.skip("runs where deepspeed is not installed (.ci/run's second venv), as the native suite does")
     kill_at = random.Random(SEED).randint(2, 4)
     print(f"ELASTIC_KILL_SEED={SEED}: node B is lost after step {kill_at}")
     recipe = recipe_variant("cpu_tp2_dp2", tmp_path, f"elastic_{backend}", **BLOCKS, launcher=CASES[backend])

@@ -61,8 +61,10 @@ def _losses(stdout: str) -> list[float]:
 
 
 @pytest.mark.native
+@pytest.mark.nods
 def test_launch_sh_trains_the_default_recipe(tmp_path):
-    """From the caller's own directory: train.py's relative --metrics lands there, not in the checkout."""
+    """From the caller's own directory: train.py's relative --metrics lands there, not in the checkout. Also in the
+    venv without deepspeed (nods), where launch.sh picks another launcher and the native back end trains."""
     out = subprocess.run([str(ROOT / "launch.sh"), "--", "--steps", "3", "--metrics", "m.jsonl"],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
                          env=cpu_env(PYTHON=sys.executable))

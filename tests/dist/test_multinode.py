@@ -3,8 +3,8 @@
 
 One layout per launcher, each with a group that crosses the two "nodes": torchrun runs cpu_pp2_dp2 (the
 pipeline's two stages sit on different nodes), accelerate launch runs cpu_dp4 at ZeRO-0 (Accelerate's own
-DDP engine where deepspeed is missing), deepspeed (``--no_ssh`` with a generated hostfile) runs cpu_tp2_dp2.
-torchrun and accelerate run where deepspeed is not installed (launch.sh's own choice there), deepspeed where it is.
+DDP engine), deepspeed (``--no_ssh`` with a generated hostfile) runs cpu_tp2_dp2. All three in .ci/run's slow step,
+in the venv with deepspeed: torchrun's recipe is forced native by its ``launcher`` field.
 Each run must name the back end and layout it trained (train.py's summary), and both the one-node and the
 two-node losses must equal one plain python process's (cpu_single, the parity suites' reference).
 """
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.native]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 STEPS, RTOL, TIMEOUT = 3, 1e-4, 240
 CASES = {  # launcher -> (base recipe, replaced blocks, the back end that trains, its layout in the summary)
-    "torchrun": ("cpu_pp2_dp2", {}, "native", "data 2 x tensor 1 x pipeline 2"),
+    "torchrun": ("cpu_pp2_dp2", {"launcher": "torchrun"}, "native", "data 2 x tensor 1 x pipeline 2"),
     "accelerate": ("cpu_dp4", {"zero": {"stage": 0}}, "accelerate", "data 4 x tensor 1 x pipeline 1"),
     "deepspeed": ("cpu_tp2_dp2", {}, "deepspeed", "data 2 x tensor 2 x pipeline 1"),
 }
@@ -63,14 +63,13 @@ def finish(cmd, metrics, proc, start) -> Run:
     return Run(cmd, proc.returncode, out, err, time.perf_counter() - start, metrics)
 
 
-# deepspeed's case in the slow step (-m slow, also in .ci/run): the README's suite keeps DeepSpeed's launcher in the
-# other tests; torchrun's case is the no-DeepSpeed suite's
-@pytest.mark.parametrize("launcher", [pytest.param(k, marks=pytest.mark.slow) if k == "deepspeed" else k for k in CASES])
+# every launcher's case in .ci/run's slow step (-m slow): two launches of launch.sh each, one node and two; the
+# torchrun case forced native by its recipe, the accelerate one Accelerate's DDP (ZeRO-0) with or without deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", list(CASES))
 def test_two_nodes_equal_one_node_of_four(launcher, reference, tmp_path):
     if launcher == "deepspeed" and not HAS_DEEPSPEED:
         pytest.skip("deepspeed is not installed")
-    if launcher != "deepspeed" and HAS_DEEPSPEED:
-        pytest.skip("runs where deepspeed is not installed (.ci/run's second venv), as the native suite does")
     if launcher == "accelerate":
         need("accelerate")
     base, blocks, backend, layout = CASES[launcher]

@@ -1,32 +1,29 @@
 """The native back end (DDP / ZeroRedundancyOptimizer / FSDP2 / torch.distributed.pipelining) and Accelerate's
-own engine compute what one process computes, under ``torchrun`` and under ``accelerate launch``: every
-layout of the DeepSpeed parity suite plus the schedules only the native back end runs (GPipe, interleaved
-1F1B); fp32, per-step losses within rtol 1e-4 of ``python train.py --recipe cpu_single``; a run saved at step
-5 and resumed gives steps 6-10 of the uninterrupted run.
+own engine compute what one process computes, under ``torchrun`` and under ``accelerate launch``: fp32, per-step
+losses and gradient norms within rtol 1e-4 of ``python train.py --recipe cpu_single`` (the losses alone cannot see a
+gradient off by a constant factor: clipping and Adam make the same update); a run saved at step 5 and resumed gives
+steps 6-10 of the uninterrupted run.
 
-How the launches are spent (the suite must fit in about 6 minutes on 2 cores): each layout runs twice, once
-per launcher, as the two halves of one save/resume: steps 1-5 and --save under one launcher, --resume and
-steps 6-10 under the other, alternating which launcher goes first from layout to layout. So both launchers
-train every layout, every step of every layout is compared with the reference, and every checkpoint is
-resumed by the other launcher's processes (a native checkpoint does not depend on the launcher). Where
-``accelerate launch`` runs Accelerate's own engine (tensor = pipeline = 1 and ZeRO-0 without deepspeed), the
-checkpoint is Accelerate's: that layout saves and resumes under accelerate, and torchrun runs it in one go.
+How the launches are spent: a layout runs twice, once per launcher, as the two halves of one save/resume: steps 1-5
+and --save under one launcher, --resume and steps 6-10 under the other. So both launchers train it, every step is
+compared with the reference, and the checkpoint is resumed by the other launcher's processes. Where ``accelerate
+launch`` runs Accelerate's own engine (tensor = pipeline = 1 and ZeRO-0), the checkpoint is Accelerate's: that layout
+saves and resumes under accelerate, and torchrun runs it in one go. The numerics of every native layout and schedule
+are the spawned engines' (tests/dist/test_native_engine.py) and the checkpoint matrix's; here, the launchers.
 
-Where it runs: all of it in an environment without deepspeed (``.ci/run`` builds one), where cpu_single itself
-trains on the native back end. With deepspeed installed, "auto" recipes would train on DeepSpeed, so only a
-representative subset runs, forced native by the recipe's ``launcher`` field (about 1.5 minutes): the native
-cpu_single against DeepSpeed's own; tp2 x pp2 (1F1B with tensor parallelism) and ZeRO-3 (FSDP2), split over
-the two launchers; ZeRO-1 under accelerate launch (Accelerate's DeepSpeed plugin) with its save/resume.
-The other layouts are skipped with that reason.
+Where it runs (marker ``nods``: .ci/run's venv without deepspeed runs what differs there): without deepspeed,
+``"auto"`` recipes train on the native back end, so cpu_single itself does, and one layout per family goes through
+both launchers: Accelerate's DDP (cpu_dp4 at ZeRO-0), FSDP2 (cpu_zero3_dp4) and tensor x pipeline (cpu_tp2_pp2).
+With deepspeed installed (the README's suite), recipes forced native by their ``launcher`` field: tp2 x pp2 and
+ZeRO-3 split over the two launchers, and ZeRO-1 under accelerate launch (Accelerate's DeepSpeed plugin) with its
+save/resume, and with accumulation.
 
-Also here: Accelerator's gradient accumulation (cpu_dp4 with micro 2 x grad_accum 2 x data 4, the reference's
-global batch of 16; under Accelerate's DDP without deepspeed, under its DeepSpeed plugin with it); Accelerate's
-bf16 (DDP under autocast), equal to the native back end's bf16 and near fp32 (a measured tolerance);
-``accelerate launch`` where deepspeed is installed but transformers is not (the README's
-``.[deepspeed,accelerate]`` install: Accelerate's DeepSpeed plugin imports transformers) training on the
-native back end; under torchrun and by hand, the refusal of a world that does not fit the recipe; the
-transformers models (gpt2, llama) at tp2 x dp2; Accelerate's own engine (DDP) on Hugging Face dict batches
-(train.py --model llama --data, the shipped JSONL and tokenizer) against one process, in both venvs.
+Also here: Accelerate's bf16 (DDP under autocast), equal to the native back end's bf16 and near fp32 (a measured
+tolerance; slow); ``accelerate launch`` where deepspeed is installed but transformers is not (the README's
+``.[deepspeed,accelerate]`` install: Accelerate's DeepSpeed plugin imports transformers) training on the native back
+end; under torchrun, the refusal of a world that does not fit the recipe; the transformers models (gpt2, llama) at
+tp2 x dp2 under torchrun (slow); Accelerate's own engine (DDP) on Hugging Face dict batches (train.py --model llama
+--data, the shipped JSONL and tokenizer) against one process.
 
 ``PLUGIN_REQUIRE=accelerate`` (:mod:`.needs`) makes a missing accelerate fail the run instead of skipping it.
 """
@@ -45,26 +42,20 @@ pytestmark = [pytest.mark.dist, pytest.mark.native]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 need("accelerate")
 STEPS, SAVE_AT, RTOL, TIMEOUT = 10, 5, 1e-4, 300
-FULL_SUITE = "the full native suite runs where deepspeed is not installed (.ci/run's second venv)"
+WITHOUT_DEEPSPEED = "runs in the venv without deepspeed (.ci/run's nods step), where 'auto' trains natively"
 
-PP_GPIPE = {"schedule": "gpipe", "partition": "uniform"}
-PP_INTERLEAVED = {"schedule": "interleaved_1f1b", "virtual_stages": 2, "partition": "uniform"}
 ACCUM2 = {"global": 16, "micro": 2}  # data 4 x micro 2 x grad_accum 2: cpu_single's global batch of 16
-LAYOUTS = {**PARITY_LAYOUTS,  # the DeepSpeed suite's layouts, then native-only schedules, then accumulation
-           "cpu_pp2_dp2_gpipe": ("cpu_pp2_dp2", {"pipeline_parallel": PP_GPIPE}),
-           "cpu_tp2_pp2_interleaved": ("cpu_tp2_pp2", {"pipeline_parallel": PP_INTERLEAVED}),
-           "cpu_dp4_zero0_accum2": ("cpu_dp4", {"zero": {"stage": 0}, "batch": ACCUM2}),
-           "cpu_dp4_zero1_accum2": ("cpu_dp4", {"batch": ACCUM2})}
-# Under accelerate launch these run Accelerate's own engine (tensor = pipeline = 1, ZeRO-0, no deepspeed): their
-# checkpoint is Accelerate's, so they save and resume under accelerate; torchrun also runs the first in one go.
-ACCELERATE_ENGINE = {"cpu_dp4_zero0", "cpu_dp4_zero0_accum2"}
-TORCHRUN_WHOLE = {"cpu_dp4_zero0"}
-# Layouts only the DeepSpeed venv runs (the native ZeRO-1 accumulation path is cpu_tp2_dp2's, grad_accum 2).
-DEEPSPEED_ONLY = {"cpu_dp4_zero1_accum2": "Accelerate's DeepSpeed plugin needs deepspeed; natively, ZeRO-1 with "
-                                          "accumulation is cpu_tp2_dp2's"}
-# Saved under one launcher, resumed under the other (a checkpoint does not depend on the launcher); the other native
-# layouts train in one launch: their resumes across layouts are tests/dist/test_checkpoint_matrix.py's.
-SPLIT_NATIVE = {"cpu_tp2_pp2", "cpu_zero3_dp4", "cpu_pp2_dp2_gpipe", "cpu_tp2_pp2_interleaved"}
+# Without deepspeed: one layout per family, under both launchers (launchers of the two halves)
+WITHOUT_DEEPSPEED_LAYOUTS = {
+    "cpu_dp4_zero0": ("accelerate", "accelerate"),  # Accelerate's own engine: its checkpoint is its own
+    "cpu_zero3_dp4": ("accelerate", "torchrun"),
+    "cpu_tp2_pp2": ("torchrun", "accelerate"),
+}
+LAYOUTS = {name: PARITY_LAYOUTS[name] for name in ("cpu_dp4_zero0", "cpu_dp4_zero1", "cpu_zero3_dp4", "cpu_tp2_pp2")}
+LAYOUTS["cpu_dp4_zero1_accum2"] = ("cpu_dp4", {"batch": ACCUM2})
+# Under accelerate launch this one runs Accelerate's own engine (tensor = pipeline = 1, ZeRO-0): torchrun also runs it
+# in one go (the native DDP).
+ACCELERATE_ENGINE = {"cpu_dp4_zero0"}
 # With deepspeed installed: (layout, the recipe's launcher field, launchers of the two halves, or one launcher
 # for a single uninterrupted run).
 SUBSET_WITH_DEEPSPEED = {
@@ -76,21 +67,41 @@ SUBSET_WITH_DEEPSPEED = {
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def single(tmp_path_factory):
     """cpu_single, one plain python process, 10 uninterrupted steps (DeepSpeed's engine where installed)."""
     run = train("cpu_single", 1, tmp_path_factory.mktemp("reference"), launcher="python", steps=STEPS)
     assert sorted(run.losses) == list(range(1, STEPS + 1)), run.log()
     assert run.losses[STEPS] < run.losses[1], "the reference must learn something, or parity proves little"
     assert run.backend == ("deepspeed" if HAS_DEEPSPEED else "native"), run.log()
-    return run.losses
+    return run
 
 
-def assert_same_losses(run, want: dict, steps):
+@pytest.fixture(scope="module")
+def reference(single):
+    """The one-process run's losses."""
+    return single.losses
+
+
+@pytest.fixture(scope="module")
+def reference_norms(single):
+    """The one-process run's gradient norms before clipping: the losses alone cannot see a gradient off by a constant
+    factor (clipping below the norm and Adam's scale invariance make the same update), the norm can."""
+    norms = {r["step"]: r["grad_norm"] for r in single.records}
+    assert all(isinstance(n, float) and n > 0 for n in norms.values()), norms
+    return norms
+
+
+def assert_same_losses(run, want: dict, steps, norms: dict | None = None):
+    """The run's losses (and, given the reference's ``norms``, its gradient norms) equal the reference's."""
+    got_norms = {r["step"]: r["grad_norm"] for r in run.records}
     for step in steps:
         assert step in run.losses, f"step {step} missing\n{run.log()}"
         got = run.losses[step]
         assert math.isclose(got, want[step], rel_tol=RTOL, abs_tol=0), \
             f"step {step}: {got!r} != reference {want[step]!r} (rtol {RTOL})\n{run.log()}"
+        if norms is not None:
+            assert math.isclose(got_norms[step], norms[step], rel_tol=RTOL, abs_tol=0), \
+                f"step {step}: gradient norm {got_norms[step]!r} != reference {norms[step]!r} (rtol {RTOL})"
 
 
 def expected_backend(name: str, launcher: str) -> str:
@@ -109,52 +120,47 @@ def assert_backend(run, name: str, launcher: str) -> None:
         assert "note: accelerate launch: ZeRO-" in run.stderr and f"Accelerate's {mode}" in run.stderr, run.log()
 
 
-def split_run(name, recipe, launchers, reference, tmp_path):
+def split_run(name, recipe, launchers, reference, tmp_path, norms=None):
     """Steps 1-5 and --save under launchers[0], --resume and steps 6-10 under launchers[1]."""
     ckpt = tmp_path / "ckpt"
     first = train(recipe, 4, tmp_path, launcher=launchers[0], steps=SAVE_AT, extra=["--save", ckpt], timeout=TIMEOUT)
     assert_backend(first, name, launchers[0])
-    assert_same_losses(first, reference, range(1, SAVE_AT + 1))
+    assert_same_losses(first, reference, range(1, SAVE_AT + 1), norms)
     second = train(recipe, 4, tmp_path, launcher=launchers[1], steps=STEPS, extra=["--resume", ckpt], timeout=TIMEOUT)
     assert_backend(second, name, launchers[1])
     assert sorted(second.losses) == list(range(SAVE_AT + 1, STEPS + 1)), second.log()
-    assert_same_losses(second, reference, range(SAVE_AT + 1, STEPS + 1))
+    assert_same_losses(second, reference, range(SAVE_AT + 1, STEPS + 1), norms)
 
 
-def whole_run(name, recipe, launcher, reference, tmp_path):
+def whole_run(name, recipe, launcher, reference, tmp_path, norms=None):
     run = train(recipe, 4, tmp_path, launcher=launcher, steps=STEPS, timeout=TIMEOUT)
     assert_backend(run, name, launcher)
-    assert_same_losses(run, reference, range(1, STEPS + 1))
+    assert_same_losses(run, reference, range(1, STEPS + 1), norms)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process_under_both_launchers(name, reference, tmp_path):
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.nods) if n in WITHOUT_DEEPSPEED_LAYOUTS else n
+                                  for n in LAYOUTS])
+def test_layout_matches_single_process_under_both_launchers(name, reference, reference_norms, tmp_path):
     base, blocks = LAYOUTS[name]
     if HAS_DEEPSPEED:
         if name not in SUBSET_WITH_DEEPSPEED:
-            pytest.skip(FULL_SUITE)
+            pytest.skip(WITHOUT_DEEPSPEED)
         launcher_field, launchers = SUBSET_WITH_DEEPSPEED[name]
         recipe = recipe_variant(base, tmp_path, name, **blocks, launcher=launcher_field)
         if len(launchers) == 1:
-            whole_run(name, recipe, launchers[0], reference, tmp_path)
+            whole_run(name, recipe, launchers[0], reference, tmp_path, reference_norms)
         else:
-            split_run(name, recipe, launchers, reference, tmp_path)
+            split_run(name, recipe, launchers, reference, tmp_path, reference_norms)
         return
-    if name in DEEPSPEED_ONLY:
-        pytest.skip(DEEPSPEED_ONLY[name])
+    if name not in WITHOUT_DEEPSPEED_LAYOUTS:
+        pytest.skip("Accelerate's DeepSpeed plugin needs deepspeed")
     recipe = recipe_variant(base, tmp_path, name, **blocks)
-    if name in ACCELERATE_ENGINE:  # Accelerate's checkpoint is its own: save/resume under accelerate
-        split_run(name, recipe, ("accelerate", "accelerate"), reference, tmp_path)
-        if name in TORCHRUN_WHOLE:
-            whole_run(name, recipe, "torchrun", reference, tmp_path)
-        return
-    order = ("torchrun", "accelerate") if list(LAYOUTS).index(name) % 2 == 0 else ("accelerate", "torchrun")
-    if name in SPLIT_NATIVE:
-        split_run(name, recipe, order, reference, tmp_path)
-    else:  # its resume, to and from every other layout, is tests/dist/test_checkpoint_matrix.py's
-        whole_run(name, recipe, order[0], reference, tmp_path)
+    split_run(name, recipe, WITHOUT_DEEPSPEED_LAYOUTS[name], reference, tmp_path, reference_norms)
+    if name in ACCELERATE_ENGINE:
+        whole_run(name, recipe, "torchrun", reference, tmp_path, reference_norms)
 
 
+@pytest.mark.nods
 def test_native_single_process_matches_and_resumes(reference, tmp_path):
     """cpu_single on the native back end: DeepSpeed's numbers where it is installed; its own save/resume."""
     recipe = recipe_variant("cpu_single", tmp_path, "cpu_single_native", launcher="torchrun")
@@ -173,6 +179,7 @@ def test_native_single_process_matches_and_resumes(reference, tmp_path):
 BF16_STEPS, BF16_RTOL = 6, 1e-3
 
 
+@pytest.mark.slow
 def test_accelerate_bf16_equals_native_bf16_and_tracks_fp32(reference, tmp_path):
     """cpu_dp4 at ZeRO-0 in bf16: Accelerate's DDP with its CPU bf16 autocast (accelerate launch) against the
     native back end's DDP under torch.autocast (torchrun).
@@ -181,9 +188,8 @@ def test_accelerate_bf16_equals_native_bf16_and_tracks_fp32(reference, tmp_path)
     held to the fp32 parity rtol 1e-4. Against the fp32 reference, bf16 deviates by at most 4.6e-4 over steps
     1-6 (5.6e-5 at step 2, 1.9e-4 at step 5), so rtol 1e-3 there; at step 7 the fp32 run spikes (3.84 -> 3.95)
     and the bf16 runs do not (-5.8% apart), so later steps are not compared with fp32. A bf16 that silently
-    ran in fp32 would equal the reference to 1e-4 at every step: that is refused too."""
-    if HAS_DEEPSPEED:
-        pytest.skip(FULL_SUITE)  # Accelerate's DDP and the native DDP are the same with or without deepspeed
+    ran in fp32 would equal the reference to 1e-4 at every step: that is refused too. Forced native by the
+    recipe's ``launcher`` under torchrun, Accelerate's DDP under accelerate launch, with or without deepspeed."""
     blocks = dict(zero={"stage": 0}, precision="bf16")
     acc = train(recipe_variant("cpu_dp4", tmp_path, "cpu_dp4_zero0_bf16", **blocks), 4, tmp_path,
                 launcher="accelerate", steps=STEPS, timeout=TIMEOUT)
@@ -228,14 +234,16 @@ def test_world_size_mismatch_is_refused_under_torchrun(tmp_path):
     assert "launch 4 processes" in text, run.log()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_transformers_models_match_single_process_under_torchrun(model, tmp_path):
-    """train.py --model gpt2/llama on the native back end: transformers models sharded by their auto plan, tp2 x dp2."""
-    if HAS_DEEPSPEED:
-        pytest.skip(FULL_SUITE)
+    """train.py --model gpt2/llama on the native back end (forced by the recipes' launcher field): transformers models
+    sharded by their auto plan, tp2 x dp2."""
     need("transformers")
-    ref = train("cpu_single", 1, tmp_path, launcher="python", steps=4, extra=["--model", model], timeout=TIMEOUT)
-    got = train("cpu_tp2_dp2", 4, tmp_path, launcher="torchrun", steps=4, extra=["--model", model], timeout=TIMEOUT)
+    single = recipe_variant("cpu_single", tmp_path, "cpu_single_native", launcher="torchrun")
+    layout = recipe_variant("cpu_tp2_dp2", tmp_path, "cpu_tp2_dp2_native", launcher="torchrun")
+    ref = train(single, 1, tmp_path, launcher="python", steps=4, extra=["--model", model], timeout=TIMEOUT)
+    got = train(layout, 4, tmp_path, launcher="torchrun", steps=4, extra=["--model", model], timeout=TIMEOUT)
     assert ref.backend == got.backend == "native", got.log()
     assert_same_losses(got, ref.losses, range(1, 5))
     assert ref.losses[4] < ref.losses[1], ref.log()

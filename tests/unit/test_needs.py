@@ -3,6 +3,8 @@ import pytest
 
 from tests.dist.needs import need
 
+pytestmark = pytest.mark.nods  # also without deepspeed: PLUGIN_REQUIRE where deepspeed is missing
+
 MISSING = "plugin_no_such_package_h5"
 
 

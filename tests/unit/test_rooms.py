@@ -19,6 +19,8 @@ import pytest
 
 import plugin
 
+pytestmark = pytest.mark.nods  # also without deepspeed: no room needs deepspeed or accelerate to import
+
 PLUGIN = Path(plugin.__file__).resolve().parent
 
 # Rooms in data-flow order, then the two front doors (launch.sh's brain and python -m plugin), which may use any

@@ -1,11 +1,16 @@
 """train.py refuses what it cannot train with a message and exit 2, before any process group (no traceback)."""
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import train
+
+pytestmark = pytest.mark.nods  # also in the venv without deepspeed: train.py's start without deepspeed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,3 +51,23 @@ def test_a_surplus_rank_of_an_elastic_start_exits_0_at_once_before_any_group(tmp
         "elastic: rank 2 sits out this start (exit 0 now, back at the next restart): el trains on 2 of the 3 "
         "processes, data 1 x tensor 2 x pipeline 1, the most it can use")
     assert not torch.distributed.is_initialized() and not (tmp_path / "ck").exists()
+
+
+def test_a_second_job_and_an_unwritable_metrics_path_are_refused_before_torch_is_imported(tmp_path):
+    """train.py imports torch only once its start is not refused: a --save directory another live job holds (the
+    job's lock, rank 0's first act), a --metrics file whose directory cannot be made (before any process group)."""
+    from plugin.job.lock import SaveLock
+
+    (tmp_path / "file").write_text("")
+    argvs = [["--recipe", "cpu_single", "--save", str(tmp_path / "ck")],
+             ["--recipe", "cpu_single", "--metrics", str(tmp_path / "file" / "m.jsonl")]]
+    script = ("import json, sys, train\n"
+              "print([(train.main(argv), 'torch' in sys.modules) for argv in json.loads(sys.argv[1])])")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "TORCHELASTIC", "PLUGIN_"))}
+    with SaveLock(tmp_path / "ck", "the-other-run"):
+        out = subprocess.run([sys.executable, "-c", script, json.dumps(argvs)], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[(2, False), (2, False)]", out.stdout + out.stderr
+    assert "--save " + str(tmp_path / "ck") + ": another job is training into this directory: run the-other-run" \
+        in out.stderr
+    assert f"--metrics {tmp_path / 'file' / 'm.jsonl'}: cannot make its directory" in out.stderr

@@ -101,7 +101,7 @@ class DeepSpeedEngine(Engine):
         self.ds = ds_engine
         self.loss_fn = loss_fn
         self.pipelined = pipelined
-        self.forward_is_local = not pipelined and recipe.zero.stage < 3  # ZeRO-3 gathers parameters in the forward
+        self.checks_rows_after_backward = not pipelined  # train_batch updates inside: the verdict before it
         # The plugin's losses are shares of a mean over data x context (the native back end's DDP averages them);
         # DeepSpeed 0.19.8 divides the data x context sum of gradients by data alone at stages 0-2 (a sequence-parallel
         # group's losses are parts of one sum to it: zero/stage_1_and_2.py, engine.py's allreduce), so 1/context
@@ -129,13 +129,21 @@ class DeepSpeedEngine(Engine):
         for i, (inputs, labels) in enumerate(micro):
             loss = self.loss_fn(self.call_model(self.ds, inputs), labels)
             losses.append(loss.detach().float())
-            self.rows_checked()  # the data contract's verdict, its collective run behind the first forward
             if i == len(micro) - 1:  # every loss is known: average them while the last backward runs
                 mean_loss = self.start_mean_over_data(torch.stack(losses).mean())
             self.ds.backward(loss if scale is None else loss.float() * scale)
+            if i == len(micro) - 1:
+                self.rows_checked()  # the data contract's verdict: after the backward, before the update (step)
             self.ds.step()
         self.step_count += 1
         return mean_loss()
+
+    def discard_step(self) -> None:
+        """A step refused after its last backward (the data contract): its gradients dropped, and the micro-step that
+        ``ds.step()`` would have counted counted, so the next step's accumulation boundary falls where it should
+        (measured at ZeRO 0-3, grad_accum 1 and 2: the next steps' losses equal those of a run without the refusal)."""
+        self.ds.optimizer.zero_grad()
+        self.ds.micro_steps += 1
 
     def schedule_optimizer(self):
         return self.ds.basic_optimizer  # the torch optimizer DeepSpeed's ZeRO / bf16 / fp16 wrappers step

@@ -4,9 +4,10 @@ fp16 loss scaler, the optimizer step (unscale, global-norm clip, step), checkpoi
 Precision (the recipe's ``precision`` and ``fp16`` block):
 
 * fp32: nothing.
-* bf16 / fp16 with DDP, ZeroRedundancyOptimizer or pipeline stages: ``torch.autocast`` around forward and
-  loss, fp32 parameters, gradients and optimizer states (as DeepSpeed's bf16 keeps fp32 master weights).
-* bf16 / fp16 with FSDP2 (ZeRO-2/3): ``MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)``,
+* bf16 / fp16 with DDP, ZeroRedundancyOptimizer, ZeRO-2's row shards or pipeline stages: ``torch.autocast`` around
+  forward and loss, fp32 parameters, gradients and optimizer states (as DeepSpeed's bf16 keeps fp32 master weights).
+* bf16 / fp16 with FSDP2 (ZeRO-3; ZeRO-2 with optimizer offload): ``MixedPrecisionPolicy(param_dtype=bf16|fp16,
+  reduce_dtype=fp32)``,
   fp32 sharded parameters, the root's output cast back to fp32 for the loss.
 * fp16: a ``ShardedGradScaler`` (torch's loss scaler that agrees on overflow across every rank, so all
   ranks skip the same steps), its arguments from :func:`plugin.engines.precision.loss_scaler_kwargs`.
@@ -109,12 +110,14 @@ class NativeEngine(Engine):
     """The optimizer step and the checkpoint of every native engine.
 
     Subclasses set ``container`` (an ``nn.Module`` whose parameters are exactly this rank's), ``optimizer``,
-    ``scaler``, ``tensor_sharded`` (ids of tensor-sharded parameters), ``data_sharded`` (FSDP2 DTensors).
+    ``scaler``, ``tensor_sharded`` (ids of tensor-sharded parameters), ``data_sharded`` (each rank holds a piece of
+    every gradient: FSDP2's DTensors, ZeRO-2's row shards).
     """
 
     backend = "native"
     virtual_stages = 1
     data_sharded = False
+    fsdp = False  # FSDP2 (ZeRO-3, ZeRO-2 with offload): its MixedPrecisionPolicy casts, no autocast
     norm_skip: frozenset = frozenset()  # ids of copies of a tied weight counted on another rank (pipeline.py)
 
     def __init__(self, recipe, layout, topology, groups, module, device, *, container, optimizer, scaler,
@@ -132,7 +135,7 @@ class NativeEngine(Engine):
 
     def autocast(self):
         """Autocast for engines that keep fp32 parameters (FSDP2 casts through its policy instead)."""
-        if self.dtype is None or self.data_sharded:
+        if self.dtype is None or self.fsdp:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
@@ -143,7 +146,7 @@ class NativeEngine(Engine):
         """Unscale (fp16), clip by the global norm, step (skipped by the scaler on overflow), zero grads."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # first: the norm is clipped on the true gradients, not scaled ones
-        params = list(self.container.parameters())
+        params = self.clip_params()
         norm = clip_by_global_norm(
             params, float(self.recipe.gradient_clipping), tensor_sharded=self.tensor_sharded,
             tp_rank=self.groups.tp_rank, model_group=self.groups.model_group,
@@ -158,6 +161,14 @@ class NativeEngine(Engine):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
+
+    def clip_params(self) -> list:
+        """The tensors whose gradients the optimizer steps with: this rank's parameters (ZeRO-2: its row views)."""
+        return list(self.container.parameters())
+
+    def discard_step(self) -> None:
+        """A step refused after its backward (the data contract): its gradients dropped, nothing updated."""
+        self.optimizer.zero_grad(set_to_none=True)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str, client_state: dict | None = None, *, keep: int | None = None):

@@ -75,6 +75,8 @@ def virtual_stages(recipe) -> int:
 
 
 class PipelineEngine(NativeEngine):
+    checks_rows_after_backward = True  # the schedule runs forward and backward; the engine steps after it
+
     def __init__(self, *args, schedule, stages, loss_fn: Callable, tied: TiedCopies | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.tied = tied or TiedCopies([])
@@ -95,7 +97,6 @@ class PipelineEngine(NativeEngine):
 
     def _run(self, batch, train: bool) -> float:
         inputs, labels = self.local_batch(batch)
-        self.rows_checked()  # the schedule runs forward and backward together: the verdict first
         losses: list[torch.Tensor] = []
         first = self.first_stage_input(inputs)
         args = (first if isinstance(first, tuple) else (first,)) if self.holds_first else ()
@@ -122,6 +123,7 @@ class PipelineEngine(NativeEngine):
 
     def _train_step(self, batch) -> float:
         loss = self._run(batch, train=True)
+        self.rows_checked()  # the data contract's verdict: after the schedule's forward and backward, before the update
         self.tied.sum_grads()
         self.optimizer_step()
         return loss

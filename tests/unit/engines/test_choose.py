@@ -6,6 +6,8 @@ from plugin.errors import PluginError
 from plugin.recipe.checks import check_deepspeed_back_end, check_native_back_end, check_recipe, load_recipe
 from plugin.recipe.spec import Recipe
 
+pytestmark = pytest.mark.nods  # also in the venv without deepspeed: the fallback's choice of engine
+
 ACCELERATE = {ACCELERATE_MARK: "no"}
 
 

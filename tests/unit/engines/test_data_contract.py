@@ -199,10 +199,10 @@ def test_collate_fn_output_is_yielded_as_it_returns_it():
 
 
 def _reduced(topo, values, tokens=None):
-    """The exchange's table as every rank holds it after the collective: each rank's fingerprint, share tokens and
-    suspect (0), rank order."""
+    """The exchange's table as every rank holds it after the collective: each rank's fingerprint, share tokens,
+    suspect (0) and deferred (0), rank order."""
     tokens = tokens or [7] * topo.world_size
-    return torch.tensor([list(v) + [tokens[r], 0] for r, v in enumerate(values)], dtype=torch.int64)
+    return torch.tensor([list(v) + [tokens[r], 0, 0] for r, v in enumerate(values)], dtype=torch.int64)
 
 
 def _ok(topo, values, global_rows, local_rows):
@@ -244,6 +244,36 @@ def test_the_fast_verdict_agrees_with_the_message_on_every_kind_of_case():
                                                                       local_rows=8)
 
 
+def _kinds_of_case(topo):
+    """(every rank's batch, the rows it passed) of each kind of case the verdict tells apart, at ``topo``."""
+    x, y = _tokens()
+    dp, ranks = topo.dp_size, range(topo.world_size)
+    good = [(x.roll(topo.coord(r).dp, 0), y.roll(topo.coord(r).dp, 0)) for r in ranks]
+    whole = (x.repeat(dp, 1), y.repeat(dp, 1))
+    return [(good, [8] * len(good)), ([whole] * len(good), [8 * dp] * len(good)),
+            ([_tokens(seed=r) for r in ranks], [8] * len(good)), ([good[0]] * len(good), [8] * len(good)),
+            ([(x.flip(0), y) if r == 1 else good[r] for r in ranks], [8] * len(good)),
+            ([whole if r else good[0] for r in ranks], [8 * dp if r else 8 for r in ranks]),
+            ([None] * len(good), [3] * len(good))]
+
+
+def test_the_small_world_verdict_and_the_tensor_verdict_agree():
+    """RowsExchange.finish decides a small world's table in Python: the same outcome, tokens, suspect and deferred
+    as :func:`verdict`'s tensor operations, on every kind of case and layout."""
+    from plugin.engines.data_contract import RowsExchange, verdict
+
+    for topo in (Topology(pp_size=2, dp_size=3, tp_size=2), Topology(dp_size=3, cp_size=2),
+                 Topology(dp_size=1, tp_size=2)):
+        dp = topo.dp_size
+        for n, (batches, rows) in enumerate(_kinds_of_case(topo)):
+            table = torch.tensor([fingerprint(b, k).tolist() + [10 + r, r % 2 if n == 2 else 0, int(r == 0)]
+                                  for r, (b, k) in enumerate(zip(batches, rows, strict=True))], dtype=torch.int64)
+            ok, tokens, suspect, deferred = verdict(table, topo, global_rows=8 * dp, local_rows=8).tolist()
+            small = RowsExchange(table, None, topo, 8 * dp, 8).finish("train_step")
+            assert (small.error is None, small.tokens, small.suspect, small.deferred) == \
+                (bool(ok), tokens, suspect, bool(deferred)), (topo, n)
+
+
 def test_the_global_token_count_is_the_sum_of_the_replicas_shares():
     from plugin.engines.data_contract import verdict
 
@@ -251,8 +281,8 @@ def test_the_global_token_count_is_the_sum_of_the_replicas_shares():
     x, y = _tokens()
     values = _values(topo, lambda r: (x.roll(topo.coord(r).dp, 0), y))
     tokens = [10 * (topo.coord(r).dp + 1) for r in range(topo.world_size)]
-    ok, n, suspect = verdict(_reduced(topo, values, tokens), topo, global_rows=24, local_rows=8).tolist()
-    assert (ok, n, suspect) == (1, 60, 0)
+    ok, n, suspect, deferred = verdict(_reduced(topo, values, tokens), topo, global_rows=24, local_rows=8).tolist()
+    assert (ok, n, suspect, deferred) == (1, 60, 0, 0)
 
 
 # ---------------------------------------------------------------------------- pure data parallelism (issue 21)

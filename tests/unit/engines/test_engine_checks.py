@@ -8,6 +8,8 @@ from plugin.errors import PluginError, RecipeError
 from plugin.models.gpt import GPT, GPTConfig
 from plugin.recipe.checks import load_recipe
 
+pytestmark = pytest.mark.nods  # also in the venv without deepspeed: the back end chosen where deepspeed is missing
+
 
 @pytest.fixture
 def launched_as(monkeypatch):

@@ -11,6 +11,8 @@ import plugin
 from plugin.errors import PluginError, RecipeError
 from plugin.recipe.checks import load_recipe
 
+pytestmark = pytest.mark.nods  # also in the venv without deepspeed: initialize without deepspeed
+
 
 def test_nvme_offload_is_refused_before_any_group(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "4")
