@@ -4,17 +4,18 @@
 run stops at once with the reason (looked up, not imported: importing deepspeed here would pick its
 accelerator before any test sets DS_ACCELERATOR). Without it, tests that need an optional package skip where it is
 missing; with it (the README's test commands, so CI), a venv that lost a package fails instead of skipping its
-suites and staying green. :func:`tests.dist.needs.need` applies the same rule inside a module.
+suites and staying green. :func:`tests.dist.needs.need` applies the same rule inside a module. ``slurm`` in the
+list is Slurm's daemons and commands (:func:`tests.dist.needs.unavailable`): the Slurm tests then fail where it cannot
+run instead of skipping.
 """
-import importlib.util
-
 import pytest
 
-from tests.dist.needs import required
+from tests.dist.needs import required, unavailable
 
 
 def pytest_sessionstart(session):
-    missing = [name for name in sorted(required()) if importlib.util.find_spec(name) is None]
+    missing = [name for name in sorted(required()) if unavailable(name)]
     if missing:
-        raise pytest.UsageError(f"PLUGIN_REQUIRE lists packages that are not installed here: {', '.join(missing)} "
+        raise pytest.UsageError(f"PLUGIN_REQUIRE lists what cannot be had here: "
+                                f"{', '.join(f'{name} ({unavailable(name)})' for name in missing)} "
                                 "-> install them, or drop them from PLUGIN_REQUIRE")

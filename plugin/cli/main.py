@@ -1,5 +1,5 @@
 """``python -m plugin`` (the ``parallel-recipe`` script): validate, show, export, import, estimate, plan, checkpoint,
-plot, elastic.
+plot, elastic, sbatch.
 
 Each command is a module in :mod:`plugin.cli` with ``register(subparsers)`` and ``run(args) -> int``.
 None of them imports torch, deepspeed or accelerate: they answer in milliseconds (``checkpoint export`` runs a child).
@@ -15,7 +15,7 @@ import sys
 
 from .common import run_command
 
-COMMANDS = ["validate", "show", "export", "import_", "estimate", "plan", "elastic", "checkpoint", "plot"]
+COMMANDS = ["validate", "show", "export", "import_", "estimate", "plan", "elastic", "checkpoint", "plot", "sbatch"]
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -40,11 +40,16 @@ def main(argv=None) -> int:
         print(f"python -m plugin: {first!r} is not a command -> name one first: python -m plugin validate {first} "
               "(or show, estimate, export, import; --help lists them all)", file=sys.stderr)
         return 1
+    tail = None
+    if first == "sbatch" and "--" in argv:  # train.py's arguments, after --, passed on as they are
+        argv, tail = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     parser = build_parser(first if first in {c.rstrip("_") for c in COMMANDS} else None)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits 2 on usage errors; 2 means "invalid recipe" here
         return 0 if e.code == 0 else 1
+    if tail is not None:
+        args.train_args = tail
     try:
         code = run_command(args)
         sys.stdout.flush()  # here, where a closed stdout can still be caught

@@ -64,6 +64,19 @@ def launch_env() -> LaunchEnv:
                      launched=True)
 
 
+def scheduler_words(environ=None) -> str:
+    """``, Slurm job 12 on n[1-2]`` (``, requeued 1 time`` after a requeue) for the ``start:`` line inside a Slurm job,
+    else an empty string: what every rank inherits from srun (launch.sh under Slurm: :mod:`plugin.launch.slurm`)."""
+    environ = os.environ if environ is None else environ
+    job = environ.get("SLURM_JOB_ID", "").strip()
+    if not job:
+        return ""
+    nodes = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST") or "?"
+    restarts = environ.get("SLURM_RESTART_COUNT", "0").strip()
+    again = f", requeued {restarts} time{'s' if restarts != '1' else ''}" if restarts not in ("", "0") else ""
+    return f", Slurm job {job} on {nodes}{again}"
+
+
 def ensure_single_process_env() -> None:
     """A world of one still needs a rendezvous address for torch.distributed / DeepSpeed: give it one."""
     if "WORLD_SIZE" in os.environ:

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ..distributed.env import check_launch, ensure_single_process_env, launch_env, let_rank_0_speak
+from ..distributed.env import check_launch, ensure_single_process_env, launch_env, let_rank_0_speak, scheduler_words
 from ..errors import PluginError, Problem, RecipeError
 from ..interop.precision import PRECISIONS
 from ..recipe.checks import check_deepspeed_back_end, check_native_back_end, load_recipe
@@ -289,4 +289,4 @@ def startup_line(engine) -> str:
     groups = dist.get_backend() if dist.is_initialized() else "no process group"
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
     return (f"start: {backend} on {engine.device.type}, {groups}, {engine.layout.words}, ZeRO-{d['zero']}, "
-            f"{d['precision']} (torch {torch.__version__}, {build})")
+            f"{d['precision']} (torch {torch.__version__}, {build}){scheduler_words()}")

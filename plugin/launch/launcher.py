@@ -13,6 +13,10 @@ one node: the hosts and slots come from the file (:func:`read_hostfile`), so the
 recipe is the whole job's; without ``--master`` no address is passed and DeepSpeed's runner asks the first
 host for its own (``ssh HOST hostname -I``), with its default port.
 
+Inside a Slurm allocation (``SLURM_JOB_ID`` set), unless ``--nodes``, ``--hostfile``, ``--elastic`` or ``--master``
+says where to run: one torchrun per node of the allocation with ``srun``, the allocation checked against the
+recipe first (:mod:`.slurm`).
+
 An elastic job (``--elastic MIN:MAX`` instead of ``--nodes N``, run on each node with the same ``--master``, the
 rendezvous endpoint) is torchrun's elastic agent: :mod:`.elastic`.
 
@@ -43,6 +47,7 @@ from ..job.lock import new_run_id, save_refusal
 from .elastic import elastic_command, elastic_launch_problems, node_range
 from .hostfile import HostfileError, read_hostfile
 from .machine import Machine
+from .slurm.allocation import in_allocation
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: plugin/launch/launcher.py -> <repo> (train.py is there)
 DEFAULT_RECIPE = "cpu_dp4"
@@ -302,6 +307,10 @@ def main(argv: list[str] | None = None, machine: Machine | None = None) -> int:
         req = parse(sys.argv[1:] if argv is None else argv)
     except SystemExit as e:
         return 0 if e.code == 0 else 1
+    if in_allocation(os.environ) and not (req.nodes > 1 or req.hostfile or req.elastic or req.master):
+        from .slurm.srun import launch_in_allocation
+
+        return launch_in_allocation(req, machine or Machine.detect(), os.environ, ROOT, check_train_script)
     save = None if req.dry_run else _train_option(req.train_args, "--save")
     # first: a second job on a --save directory is refused in well under a second (not an elastic node joining its
     # job: train.py's lock knows the run by its rendezvous id and lets the same run through)

@@ -19,3 +19,11 @@ def test_missing_required_package_fails(monkeypatch):
     with pytest.raises(ModuleNotFoundError):
         need(MISSING)
     assert need("json").__name__ == "json", "a present package is simply imported"
+
+
+def test_what_plugin_require_can_name():
+    from tests.dist.needs import unavailable
+    from tests.dist.slurm_cluster import unavailable as slurm
+
+    assert unavailable("json") is None and unavailable(MISSING) == "not installed"
+    assert unavailable("slurm") == slurm()  # Slurm's daemons and commands, not a package
