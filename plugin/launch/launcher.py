@@ -44,6 +44,7 @@ from ..errors import Problem
 from ..interop.precision import PRECISIONS
 from ..job import supervise
 from ..job.lock import new_run_id, save_refusal
+from .argv import train_option
 from .elastic import elastic_command, elastic_launch_problems, node_range
 from .hostfile import HostfileError, read_hostfile
 from .machine import Machine
@@ -311,11 +312,11 @@ def main(argv: list[str] | None = None, machine: Machine | None = None) -> int:
         from .slurm.srun import launch_in_allocation
 
         return launch_in_allocation(req, machine or Machine.detect(), os.environ, ROOT, check_train_script)
-    save = None if req.dry_run else _train_option(req.train_args, "--save")
+    save = None if req.dry_run else train_option(req.train_args, "--save")
     # first: a second job on a --save directory is refused in well under a second (not an elastic node joining its
     # job: train.py's lock knows the run by its rendezvous id and lets the same run through)
     if save and req.node_rank == 0 and not req.elastic:
-        refused = save_refusal(save, resume=_train_option(req.train_args, "--resume") is not None)
+        refused = save_refusal(save, resume=train_option(req.train_args, "--resume") is not None)
         if refused:
             print(refused, file=sys.stderr)
             return 2
@@ -349,13 +350,3 @@ def main(argv: list[str] | None = None, machine: Machine | None = None) -> int:
     env.setdefault("PLUGIN_RUN_ID", os.environ.get("PLUGIN_RUN_ID") or new_run_id())  # the job's id (its --save lock)
     print(f"+ {shown}", file=sys.stderr, flush=True)
     return supervise.run(cmd, {**os.environ, **env})  # the launcher as a child: a stop reaches the workers
-
-
-def _train_option(args: list[str], name: str) -> str | None:
-    """The value of train.py's ``name DIR`` (or ``name=DIR``) among ``args``, else None."""
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(name + "="):
-            return arg[len(name) + 1:]
-    return None

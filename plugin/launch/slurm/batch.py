@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from ...errors import Problem
 from ...job.interrupt import GRACE_S
+from ..argv import train_option
 
 SIGNAL_MARGIN_S = 60  # the requeue's round trip and the signal's delivery, beyond the ranks' own grace
 MIN_TRAIN_S = 60  # a time limit must leave at least this much training before the signal
@@ -83,18 +84,10 @@ def time_seconds(text: str) -> int | None:
     return int(a) * 60 + int(b or 0)  # MM or MM:SS
 
 
-def _option(args, name: str) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(name + "="):
-            return arg[len(name) + 1:]
-    return None
-
 
 def signal_lead(train_args) -> int:
     """Seconds before the time limit for its signal: train.py's ``--grace`` (or its default) + the margin."""
-    grace = _option(train_args, "--grace")
+    grace = train_option(train_args, "--grace")
     try:
         seconds = float(grace) if grace is not None else GRACE_S
     except ValueError:

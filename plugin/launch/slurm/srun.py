@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ...job.interrupt import ECHO_S
 from ...job.lock import live_holder, refusal, used_refusal
+from ..argv import train_option
 from .allocation import Allocation, SlurmError, address_of, read_allocation
 from .fit import fit_allocation
 
@@ -107,14 +108,6 @@ def run_step(cmd: list[str], env: dict, alloc: Allocation) -> int:
     return 128 + stop.signum if stop.signum else code
 
 
-def _train_option(args: list[str], name: str) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(name + "="):
-            return arg[len(name) + 1:]
-    return None
-
 
 def launch_in_allocation(req, machine, environ, root: Path, train_checks) -> int:
     """launch.sh's whole run inside a Slurm allocation, its exit status. ``req``: launch.sh's parsed request;
@@ -130,11 +123,11 @@ def launch_in_allocation(req, machine, environ, root: Path, train_checks) -> int
     if refused:
         print(f"launch.sh: {refused}", file=sys.stderr)
         return 1
-    save = None if req.dry_run else _train_option(req.train_args, "--save")
+    save = None if req.dry_run else train_option(req.train_args, "--save")
     if save:  # another job on the directory; this job's earlier start (same run id) is not another job
         holder = live_holder(save, alloc.run_id)
         refused = refusal(save, holder) if holder else used_refusal(
-            save, resume=_train_option(req.train_args, "--resume") is not None)
+            save, resume=train_option(req.train_args, "--resume") is not None)
         if refused:
             print(refused, file=sys.stderr)
             return 2
