@@ -21,7 +21,8 @@ def gpt_reference(recipe, steps: int, seed: int = 0, decay=None) -> tuple[list[f
     losses, norms = [], []
     for step in range(steps):
         x, y = data.global_batch(step, lay.global_batch)
-        parts = list(zip(x.chunk(lay.grad_accum * lay.data), y.chunk(lay.grad_accum * lay.data)))  # micro-batches
+        n = lay.grad_accum * lay.data
+        parts = list(zip(x.chunk(n), y.chunk(n), strict=True))  # micro-batches
         total = 0.0
         for xs, ys in parts:
             loss = gpt_loss(model(xs), ys)

@@ -50,7 +50,7 @@ def release_deepspeed_shm(port: str) -> None:
 
 
 def train(recipe, nproc: int, tmp: Path, *, launcher: str = "deepspeed", steps: int = 10, extra=(),
-          timeout: int = 600, expect_ok: bool = True, env=None, every_rank: bool = False) -> "Run":
+          timeout: int = 600, expect_ok: bool = True, env=None, every_rank: bool = False) -> Run:
     """Run train.py; ``every_rank``: each rank writes its own metrics (``--metrics ...-{rank}.jsonl``)."""
     metrics = tmp / f"metrics-{time.monotonic_ns()}{'-{rank}' if every_rank else ''}.jsonl"
     cmd = launcher_argv(launcher, nproc) + [str(ROOT / "train.py"), "--recipe", str(recipe), "--steps", str(steps),

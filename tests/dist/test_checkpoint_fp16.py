@@ -3,9 +3,9 @@ state and the steps it skipped travel with the fp32 masters (ZeRO-0: FP16_Unfuse
 steps them) or partitions. The initial scale overflows fp16 on the first steps, so by step 4 the scale has moved and
 steps were skipped: a resume that restarted the scaler would overflow and skip again where the uninterrupted run did
 not (at ZeRO-0 only since the engine applies the scale itself: DeepSpeed 0.19.8 leaves it out there, no step
-ever overflowed). Train 4 steps, save, train 4 (the uninterrupted run), load, train the same 4 again: bit for bit, and the scaler
-as it was at the save. Then the ZeRO-0 checkpoint loads into ZeRO-1 (another layout of DeepSpeed's state): saved
-again there it holds the same tensors bit for bit, and it trains on close to ZeRO-0's losses. fp16 at ZeRO-0 with
+ever overflowed). Train 4 steps, save, train 4 (the uninterrupted run), load, train the same 4 again: bit for bit, and
+the scaler as it was at the save. Then the ZeRO-0 checkpoint loads into ZeRO-1 (another layout of DeepSpeed's state):
+saved again there it holds the same tensors bit for bit, and it trains on close to ZeRO-0's losses. fp16 at ZeRO-0 with
 a pipeline is refused by name (DeepSpeed's pipeline backward leaves the loss unscaled there).
 
 DeepSpeed's CPU accelerator refuses fp16 ("Type fp16 is not supported on your device.") unless oneDNN has fp16

@@ -2,8 +2,8 @@
 ``cpu_*`` recipe on DeepSpeed and on the native back end (:data:`RING`), and one process the reference, each engine
 saving and loading several checkpoints. This is the parity suites' save/resume half, folded into one spawn.
 
-For each (recipe, back end) X (in ring order), in one engine that keeps training: steps 1-4 (parity with one process), save
-ckpt[X]@4, steps 5-8 (the uninterrupted X run), load ckpt[X]@4 and redo 5-8 (same layout: bit-identical), load
+For each (recipe, back end) X (in ring order), in one engine that keeps training: steps 1-4 (parity with one process),
+save ckpt[X]@4, steps 5-8 (the uninterrupted X run), load ckpt[X]@4 and redo 5-8 (same layout: bit-identical), load
 ckpt[single]@4 and run 5-8 (single -> X), load the previous recipe's ckpt@4 and run 5-8 (a cross pair). One process
 then loads every ckpt[X]@4 into cpu_single and runs 5-8 (X -> single). Every loss is compared with an
 uninterrupted 8-step one-process run: rel 1e-5 where the layout itself reaches it, the parity suites' 1e-4 for pairs

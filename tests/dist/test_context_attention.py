@@ -142,7 +142,8 @@ def _all(rank, world_size):
         got = [y.detach()] + [t.grad for t in mine]
         errors[(size, "ring", "dropout", False)] = [float((a - b).abs().max() / b.abs().max())
                                                     for a, b in zip(got, want, strict=True)]
-        errors[(size, "ring", "dropped", False)] = float(1 - keep[..., torch.ones(S, S, dtype=torch.bool).tril()].mean())
+        errors[(size, "ring", "dropped", False)] = float(
+            1 - keep[..., torch.ones(S, S, dtype=torch.bool).tril()].mean())
         # Ulysses's dropout under a recompute replaying the rank's stream: the gradients of no recompute, bitwise
         cp = ContextParallelContext(group, size, cp_rank, "all_to_all", rng=context_rng(5, 0, 1, cp_rank))
         q, k, v, dy, _ = _inputs(8, 4, False)

@@ -6,10 +6,10 @@ and the paths that do nothing on a CPU.
   not importable: hidden from the launched processes, as in :mod:`.test_native_parity`) gives them too
   (Accelerate reaches FSDP only through its multi-GPU launcher, so not on one GPU).
 * 1+ GPU: the DeepSpeed engine steps torch's fused AdamW, and DeepSpeed's CPUAdam only under optimizer offload
-  (where that op builds; torch's AdamW otherwise); Accelerate's fp16 (its GradScaler, fed from the recipe's fp16 block) tracks fp32 on one GPU; the
-  native FSDP2 ``CPUOffloadPolicy`` really keeps the sharded parameters, their gradients and Adam's moments
-  in CPU memory inside an optimizer step while the engine computes on the GPU (on a CPU machine offload is a
-  no-op, so only here can it be seen), and trains as without offload.
+  (where that op builds; torch's AdamW otherwise); Accelerate's fp16 (its GradScaler, fed from the recipe's fp16 block)
+  tracks fp32 on one GPU; the native FSDP2 ``CPUOffloadPolicy`` really keeps the sharded parameters, their gradients and
+  Adam's moments in CPU memory inside an optimizer step while the engine computes on the GPU (on a CPU machine offload
+  is a no-op, so only here can it be seen), and trains as without offload.
 
 TF32 is off in train.py's numbers only if torch's default (off for matmul) holds; the tolerance is looser
 than on the CPU because cuBLAS sums in other orders across shapes.
@@ -95,9 +95,9 @@ def test_accelerate_fp16_grad_scaler_tracks_fp32_on_one_gpu(tmp_path):
 def _where_offloaded_state_lives(rank, world_size):
     """One process on a GPU: ZeRO-3 with and without CPU offload; devices seen inside the second optimizer step."""
     import plugin
-    from plugin.recipe.checks import load_recipe
     from plugin.data.text import TextBatches
     from plugin.models.gpt import GPT, GPTConfig
+    from plugin.recipe.checks import load_recipe
     from plugin.recipe.spec import Recipe
 
     out = {}
@@ -111,7 +111,7 @@ def _where_offloaded_state_lives(rank, world_size):
         seen, inner = {}, engine.optimizer
         original = inner.step
 
-        def step(*args, **kwargs):
+        def step(*args, engine=engine, seen=seen, inner=inner, original=original, **kwargs):
             local = [getattr(p, "_local_tensor", p) for p in engine.container.parameters()]
             seen["parameters"] = {t.device.type for t in local}
             seen["gradients"] = {getattr(p.grad, "_local_tensor", p.grad).device.type
@@ -145,10 +145,10 @@ def test_native_cpu_offload_keeps_shards_on_the_cpu():
 def _deepspeed_optimizers_on_gpu(rank, world_size):
     """One process on a GPU, DeepSpeed engine at ZeRO-1 with and without optimizer offload: which optimizer steps."""
     import plugin
-    from plugin.recipe.checks import load_recipe
     from plugin.data.text import TextBatches
     from plugin.engines.deepspeed.optimizer import cpu_adam_error
     from plugin.models.gpt import GPT, GPTConfig
+    from plugin.recipe.checks import load_recipe
     from plugin.recipe.spec import Recipe
 
     out = {"cpu_adam_error": cpu_adam_error()}

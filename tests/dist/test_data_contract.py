@@ -4,8 +4,8 @@
   world size, so every process its own rows), under a tensor x data layout (cpu_tp2_dp2) and a pipeline x data
   layout (cpu_pp2_dp2): ``train_step`` (and ``eval_step``) raise a PluginError on every rank of the world within
   seconds, naming the peers and the fix; so does one rank alone giving too few rows; the engine then trains on
-  correct rows (nothing was half-done, no rank hangs). On the native back end (also in the no-DeepSpeed suite) and on DeepSpeed (its mpu path and its
-  PipelineModule).
+  correct rows (nothing was half-done, no rank hangs). On the native back end (also in the no-DeepSpeed suite) and on
+  DeepSpeed (its mpu path and its PipelineModule).
 * At pure data parallelism (cpu_dp4, issue 21): the tutorials' loop, ``DataLoader(dataset, batch_size=global,
   sampler=DistributedSampler(dataset))`` (each rank its own "global batch"), the same share on every data rank, and
   a short last batch (every rank 5 rows) are each refused on every rank, naming the data ranks and the fix; the
@@ -55,7 +55,7 @@ def _dataset(recipe, rows=ROWS):
     from plugin.data.text import TextBatches
 
     x, y = TextBatches(recipe.model.vocab, recipe.model.seq_len, seed=3).global_batch(0, rows)
-    return list(zip(x, y))  # a map-style dataset of (inputs, labels) rows
+    return list(zip(x, y, strict=True))  # a map-style dataset of (inputs, labels) rows
 
 
 def _engine(recipe, backend):
@@ -71,7 +71,7 @@ def _reference(recipe, dataset) -> list[float]:
     from plugin.data.loader import StepLoader
 
     loader = StepLoader(dataset, global_batch=recipe.layout().global_batch, data_rank=0, data_size=1, seed=SEED)
-    return _steps(recipe, [batch for _, batch in zip(range(STEPS), loader.stream())])
+    return _steps(recipe, [batch for _, batch in zip(range(STEPS), loader.stream(), strict=False)])
 
 
 def _refusals(engine, dataset, calls=("train_step",)) -> dict:
@@ -192,7 +192,7 @@ def _native(rank, world_size, directory):
         refused = _refusals(engine, dataset, ("train_step", "eval_step"))
         loader = engine.dataloader(dataset, seed=SEED, num_workers=1 if name == "cpu_pp2_dp2" else 0)
         losses, later = [], None
-        for step, batch in zip(range(STEPS), loader.stream()):
+        for step, batch in zip(range(STEPS), loader.stream(), strict=False):
             if step >= 1:  # the same rows as the global batch: its shapes accepted, the next steps defer their verdict
                 batch = _global_of(engine, batch)
             losses.append(engine.train_step(batch))
@@ -205,7 +205,7 @@ def _native(rank, world_size, directory):
             engine = _engine(recipe, "native")
             loader = engine.dataloader(dataset, seed=SEED, num_workers=1)
             loader.load_state_dict(engine.load(directory)["data"])
-            resumed = [engine.train_step(b) for _, b in zip(range(STEPS - 2), loader.stream())]
+            resumed = [engine.train_step(b) for _, b in zip(range(STEPS - 2), loader.stream(), strict=False)]
         key = repr((recipe.model, recipe.optimizer, recipe.gradient_clipping, recipe.layout().global_batch))
         if key not in references:  # both layouts train the same model on the same global batches
             references[key] = _reference(recipe, dataset)
@@ -231,7 +231,8 @@ def _deepspeed(rank, world_size):
         data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
         whole, *more = (data.global_batch(step, engine.layout.global_batch) for step in (0, 1, 2))
         then = engine.train_step(whole)  # the global batch is not refused
-        later = _refused_after_backward(engine, whole) if name == "cpu_tp2_dp2" else None  # DeepSpeed's pipeline: before
+        # refused after the backward on cpu_tp2_dp2 (DeepSpeed's pipeline: before)
+        later = _refused_after_backward(engine, whole) if name == "cpu_tp2_dp2" else None
         out[name] = {"refused": refused, "then": then, "later": later, "more": [engine.train_step(b) for b in more],
                      "reference": _steps(recipe, [whole, *more])}
     dist.barrier()

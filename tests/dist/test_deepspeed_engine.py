@@ -144,6 +144,7 @@ def test_the_engine_runs_the_exported_config_but_for_the_documented_keys(results
 
     for rank, out in enumerate(results):
         for name, gap in out["gaps"].items():
-            assert set(gap) <= set(ENGINE_ADJUSTED_KEYS), f"rank {rank}, {name}: undocumented {set(gap) - set(ENGINE_ADJUSTED_KEYS)}"
+            assert set(gap) <= set(ENGINE_ADJUSTED_KEYS), \
+                f"rank {rank}, {name}: undocumented {set(gap) - set(ENGINE_ADJUSTED_KEYS)}"
     seen = set().union(*(gap for out in results for gap in out["gaps"].values()))
     assert seen == set(ENGINE_ADJUSTED_KEYS), f"documented but never adjusted here: {set(ENGINE_ADJUSTED_KEYS) - seen}"

@@ -58,7 +58,7 @@ def runs():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env=cpu_env())
     assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
 
 def test_a_list_of_layers_trains_in_fp32_and_bf16(runs):

@@ -54,7 +54,7 @@ def test_a_resumed_run_continues_the_deepspeed_schedulers_lr(tmp_path):
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "ckpt")], capture_output=True, text=True,
                          timeout=300, cwd=ROOT, env=cpu_env())
     assert out.returncode == 0, out.stderr[-4000:]
-    r = json.loads(next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    r = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert r["step"] == 3, r
     assert r["first"] == r["whole"][:3], r
     assert r["rest"] == r["whole"][3:], r  # exactly: same weights, moments and lr at steps 4-6

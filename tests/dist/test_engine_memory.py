@@ -46,8 +46,8 @@ def _measure(rank, world_size):
     import plugin
     from plugin.data.text import TextBatches
     from plugin.engines.memory import held_bytes
-    from plugin.models.gpt import GPT, GPTConfig
     from plugin.engines.optim import WeightDecay
+    from plugin.models.gpt import GPT, GPTConfig
 
     out = []
     for name, stage in CASES:

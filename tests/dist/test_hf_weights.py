@@ -6,8 +6,8 @@ the losses match too and each rank reads its share only, about half the tensors:
 rows of its dim-0 chunks (the two ranks' reads add up to the tensors' bytes), DeepSpeed's ZeRO-3 sink the rows that
 cover its flat range (at most two rows per tensor more); and the sharded parameters, gathered, are bitwise the files'.
 
-One spawn of 2 gloo processes per back end (native, DeepSpeed) trains both layouts; the saved model's values come from its own
-eager init (seed 0), not from the plugin's per-unit init, so a unit left at its init would show in the losses.
+One spawn of 2 gloo processes per back end (native, DeepSpeed) trains both layouts; the saved model's values come from
+its own eager init (seed 0), not from the plugin's per-unit init, so a unit left at its init would show in the losses.
 """
 from __future__ import annotations
 

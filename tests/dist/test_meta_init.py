@@ -1,6 +1,7 @@
 """A model built on the meta device, in one launch of 4 gloo processes: each rank materialises only its part.
 
-For ZeRO-3 dp4 (native FSDP2, DeepSpeed, Accelerate's DeepSpeed plugin) and tp2 x pp2 (native and DeepSpeed), on the tiny reference GPT:
+For ZeRO-3 dp4 (native FSDP2, DeepSpeed, Accelerate's DeepSpeed plugin) and tp2 x pp2 (native and DeepSpeed), on the
+tiny reference GPT:
 
 * the bytes each rank keeps are its share: about whole / dp under ZeRO-3 (FSDP2's local shards, DeepSpeed's
   ``ds_tensor`` partitions, the full parameters emptied), its stage's tensor shards under tp2 x pp2 (the same bytes
@@ -151,7 +152,8 @@ def _check(rank, world_size):
     with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
         same = all(torch.equal(p.data, dict(eager.named_parameters())[n]) for n, p in params.items())
     out["deepspeed_z3"] = {"local": local, "full_left": full_left, "twins": len(twins.bytes),
-                           "alive_max": twins.alive_max, "twin_max": max(twins.bytes), "equal": same, "held_max": twins.held_max}
+                           "alive_max": twins.alive_max, "twin_max": max(twins.bytes), "equal": same,
+                           "held_max": twins.held_max}
 
     # ZeRO-3 dp4 through Accelerate's DeepSpeed plugin: partitioned as made, as on the DeepSpeed engine
     twins.reset()
@@ -170,7 +172,7 @@ def _check(rank, world_size):
         ref = plugin.initialize(GPT(cfg), tp_pp, backend=backend)
         twins.reset()
         engine = plugin.initialize(twins.builder(lambda: GPT(cfg)), tp_pp, seed=SEED, backend=backend)
-        def held(e):
+        def held(e, backend=backend):
             return dict((e.ds.module if backend == "deepspeed" else e.container).named_parameters())
         mine, theirs = held(engine), held(ref)
         out[f"{backend}_tp2_pp2"] = {

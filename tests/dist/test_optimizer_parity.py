@@ -5,8 +5,8 @@ Weight decay (fp32): SGD lr 0.5, momentum 0.9, weight_decay 0.5, clipping 0.3 (u
 step: asserted, so clipping acts), on each way a back end's optimizer can be handed other parameter objects than the
 model's own: DDP (eager), ZeroRedundancyOptimizer (meta), ZeRO-2's row views (from safetensors ``weights=``),
 FSDP2's DTensors (ZeRO-3 from a builder, over tensor shards), pipeline stages (a builder), Accelerate's DDP;
-DeepSpeed ZeRO-0 (eager), ZeRO-1 (meta), ZeRO-2 (``weights=``), ZeRO-3 (meta, where the parameters are 1-D placeholders before the
-optimizer exists; ``weights=``), its pipeline, tensor x data through its mpu, and Accelerate's DeepSpeed
+DeepSpeed ZeRO-0 (eager), ZeRO-1 (meta), ZeRO-2 (``weights=``), ZeRO-3 (meta, where the parameters are 1-D placeholders
+before the optimizer exists; ``weights=``), its pipeline, tensor x data through its mpu, and Accelerate's DeepSpeed
 plugin at ZeRO-3 (a builder) and ZeRO-1. The ``weights=`` files hold another seed's model than the init would make.
 Each engine's losses equal one process's (:func:`.reference.gpt_reference`, the same micro-batch split) within
 rel 1e-5 (tensor parallelism 1e-4: its split reductions); the same process with the decay on the wrong group (the

@@ -158,7 +158,7 @@ def test_recompute_gives_the_gradients_of_no_recompute(results, layout):
             else:
                 assert got_counts == {"block": 2 * counts["block"], "core": 2 * counts["core"]}, (where, got_counts)
         no_dropout = out[(layout, 0.0, "none")][0]
-        assert max(abs(a - b) for a, b in zip(losses, no_dropout)) > 1e-4, \
+        assert max(abs(a - b) for a, b in zip(losses, no_dropout, strict=True)) > 1e-4, \
             f"{backend} {layout} rank {rank}: dropout 0.1 trains like dropout 0 ({losses}): no mask was drawn"
 
 

@@ -26,6 +26,7 @@ CLIP = 0.05  # small enough that every step clips
 
 def train(groups, stage, steps=3):
     import deepspeed
+
     from plugin.models import GPT, GPTConfig, gpt_loss
     from plugin.tensor_parallel import apply_tensor_parallel, full_state_dict
 
@@ -52,15 +53,16 @@ def train(groups, stage, steps=3):
         loss_ref.backward()
         norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
         assert norm > CLIP, f"the reference norm {norm} should need clipping"
-        opt_ref.step(); opt_ref.zero_grad()
+        opt_ref.step()
+        opt_ref.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=groups.data_group)
         torch.testing.assert_close(mean / groups.dp_size, loss_ref.detach(), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"ZeRO {stage} step {step} loss: {m}")
+                                   msg=lambda m, step=step: f"ZeRO {stage} step {step} loss: {m}")
     weights = full_state_dict(engine.module, groups.tensor_group)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(weights[name], p.detach(), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"ZeRO {stage} weight {name} after {steps} steps: {m}")
+                                   msg=lambda m, name=name: f"ZeRO {stage} weight {name} after {steps} steps: {m}")
     engine.destroy()
 
 
@@ -70,6 +72,7 @@ def pipeline(sequence_parallel, steps=2):
     import deepspeed
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
     from plugin.distributed.groups import ParallelGroups
     from plugin.models import GPT, GPTConfig, gpt_loss
     from plugin.tensor_parallel import apply_tensor_parallel
@@ -96,14 +99,16 @@ def pipeline(sequence_parallel, steps=2):
         loss = engine.train_batch(iter([(tokens[:2], targets[:2]), (tokens[2:], targets[2:])]))
         loss_ref = gpt_loss(ref(tokens), targets)
         loss_ref.backward()
-        opt_ref.step(); opt_ref.zero_grad()
+        opt_ref.step()
+        opt_ref.zero_grad()
         torch.testing.assert_close(loss, loss_ref.detach(), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"pipeline sp={sequence_parallel} step {step} loss: {m}")
+                                   msg=lambda m, step=step: f"pipeline sp={sequence_parallel} step {step} loss: {m}")
     engine.destroy()
 
 
 def deepspeed_worker(rank, world_size):
     import deepspeed
+
     from plugin.distributed.groups import build_groups
     from plugin.distributed.topology import Topology
 

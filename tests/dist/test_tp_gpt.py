@@ -52,11 +52,11 @@ def train_and_compare(group, config, sequence_parallel, steps=3):
         logits = tp(tokens)
         loss = gpt_loss(logits, targets, group)
         loss.backward()
-        torch.testing.assert_close(loss, loss_ref, **TOL, msg=lambda m: f"{what} step {step} loss: {m}")
+        torch.testing.assert_close(loss, loss_ref, **TOL, msg=lambda m, step=step: f"{what} step {step} loss: {m}")
         grads = full_state_dict(tp, group, grads=True)
         for name, p in ref.named_parameters(remove_duplicate=False):
             torch.testing.assert_close(grads[name], p.grad, **TOL,
-                                       msg=lambda m: f"{what} step {step} grad {name}: {m}")
+                                       msg=lambda m, step=step, name=name: f"{what} step {step} grad {name}: {m}")
         for name, p in tp.named_parameters():
             if is_sharded(p):
                 continue
@@ -64,8 +64,10 @@ def train_and_compare(group, config, sequence_parallel, steps=3):
             dist.all_gather(copies, p.grad, group=group)
             assert all(torch.equal(copies[0], c) for c in copies[1:]), \
                 f"{what}: replicated {name} has different gradients on different tensor ranks"
-        opt_ref.step(); opt_ref.zero_grad()
-        opt_tp.step(); opt_tp.zero_grad()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        opt_tp.step()
+        opt_tp.zero_grad()
     # the layer list (what a pipeline cuts into stages) composes to the model
     x = tokens
     for layer in layers:
@@ -117,8 +119,8 @@ def check_dropout_regions(group, config):
 
 def gpt_worker(rank, world_size):
     from plugin.distributed.groups import build_groups
-    from plugin.models import GPTConfig
     from plugin.distributed.topology import Topology
+    from plugin.models import GPTConfig
 
     base = dict(vocab=37, hidden=32, layers=2, heads=8, kv_heads=4, seq_len=8, ffn_hidden=64)
     whole = build_groups(Topology(tp_size=4))

@@ -53,7 +53,7 @@ def groups_worker(rank, world_size, with_deepspeed):
     assert flat.get_model_parallel_rank() == flat.get_tensor_model_parallel_rank() == rank
     if with_deepspeed:
         import deepspeed
-        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+        from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
 
         deepspeed.init_distributed(dist_backend="gloo")
         grid = PipelineParallelGrid(topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2))

@@ -82,20 +82,24 @@ def train_and_compare(group, kind, steps=3, **overrides):
         out = tp(input_ids=ids, labels=ids)
         out.loss.backward()
         assert out.logits.shape[-1] == ref.config.vocab_size, "whole logits, padding dropped"
-        torch.testing.assert_close(out.loss, loss_ref, **TOL, msg=lambda m: f"{what} step {step} loss: {m}")
+        torch.testing.assert_close(out.loss, loss_ref, **TOL, msg=lambda m, step=step: f"{what} step {step} loss: {m}")
         grads = full_state_dict(tp, group, grads=True)
         for name, p in ref.named_parameters(remove_duplicate=False):
             got = grads[name].t() if name in transposed else grads[name]
-            torch.testing.assert_close(got, p.grad, **TOL, msg=lambda m: f"{what} step {step} grad {name}: {m}")
+            torch.testing.assert_close(got, p.grad, **TOL,
+                                       msg=lambda m, step=step, name=name: f"{what} step {step} grad {name}: {m}")
         # the global norm as the native engine's clipping counts it: tensor_model_parallel on every tensor rank (a
         # replicated key/value head on its first holder only), the rest on tensor rank 0
         sharded = {id(q) for q in tp.parameters() if getattr(q, "tensor_model_parallel", False)}
         norm = global_grad_norm(list(tp.parameters()), tensor_sharded=sharded, tp_rank=dist.get_rank(group),
                                 model_group=group, model_size=dist.get_world_size(group))
         ref_norm = torch.nn.utils.get_total_norm([q.grad for q in ref.parameters() if q.grad is not None])
-        torch.testing.assert_close(norm, ref_norm, **TOL, msg=lambda m: f"{what} step {step} gradient norm: {m}")
-        opt_ref.step(); opt_ref.zero_grad()
-        opt_tp.step(); opt_tp.zero_grad()
+        torch.testing.assert_close(norm, ref_norm, **TOL,
+                                   msg=lambda m, step=step: f"{what} step {step} gradient norm: {m}")
+        opt_ref.step()
+        opt_ref.zero_grad()
+        opt_tp.step()
+        opt_tp.zero_grad()
 
 
 def hf_worker(rank, world_size):

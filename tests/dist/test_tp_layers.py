@@ -33,6 +33,7 @@ def chunk(t, dim, group):
 def check_collectives(group):
     """Forward and backward math of every autograd collective, against explicit formulas."""
     import torch.distributed as dist
+
     from plugin.tensor_parallel import comm
 
     p, r = dist.get_world_size(group), dist.get_rank(group)
@@ -48,29 +49,37 @@ def check_collectives(group):
         return y.detach(), x.grad
 
     y, dx = grad_of(lambda x: comm.copy_to_tensor_region(x, group), per_rank[r], grads[r])
-    close(y, per_rank[r], "f forward"); close(dx, total_dy, "f backward")
+    close(y, per_rank[r], "f forward")
+    close(dx, total_dy, "f backward")
     # g: the input is an intermediate (x * 1) so the in-place path is the one exercised
     y, dx = grad_of(lambda x: comm.reduce_from_tensor_region(x * 1, group), per_rank[r], grads[r])
-    close(y, total_x, "g forward"); close(dx, grads[r], "g backward")
+    close(y, total_x, "g forward")
+    close(dx, grads[r], "g backward")
     y, dx = grad_of(lambda x: comm.scatter_to_tensor_region(x, group), per_rank[0], chunk(grads[0], -1, group))
-    close(y, chunk(per_rank[0], -1, group), "scatter forward"); close(dx, grads[0], "scatter backward")
+    close(y, chunk(per_rank[0], -1, group), "scatter forward")
+    close(dx, grads[0], "scatter backward")
     shard = chunk(per_rank[0], -1, group)
     y, dx = grad_of(lambda x: comm.gather_from_tensor_region(x, group), shard, grads[0])
-    close(y, per_rank[0], "gather forward"); close(dx, chunk(grads[0], -1, group), "gather backward")
+    close(y, per_rank[0], "gather forward")
+    close(dx, chunk(grads[0], -1, group), "gather backward")
     y, dx = grad_of(lambda x: comm.scatter_to_sequence_region(x, group), per_rank[0], chunk(grads[0], 0, group))
-    close(y, chunk(per_rank[0], 0, group), "seq scatter forward"); close(dx, grads[0], "seq scatter backward")
+    close(y, chunk(per_rank[0], 0, group), "seq scatter forward")
+    close(dx, grads[0], "seq scatter backward")
     y, dx = grad_of(lambda x: comm.gather_from_sequence_region(x, group), chunk(per_rank[0], 0, group), grads[r])
-    close(y, per_rank[0], "seq gather forward"); close(dx, chunk(total_dy, 0, group), "seq gather backward (RS)")
+    close(y, per_rank[0], "seq gather forward")
+    close(dx, chunk(total_dy, 0, group), "seq gather backward (RS)")
     y, dx = grad_of(lambda x: comm.gather_from_sequence_region(x, group, False), chunk(per_rank[0], 0, group),
                     grads[0])
     close(dx, chunk(grads[0], 0, group), "seq gather backward (split)")
     y, dx = grad_of(lambda x: comm.reduce_scatter_to_sequence_region(x * 1, group), per_rank[r],
                     chunk(grads[0], 0, group))
-    close(y, chunk(total_x, 0, group), "reduce-scatter forward"); close(dx, grads[0], "reduce-scatter backward")
+    close(y, chunk(total_x, 0, group), "reduce-scatter forward")
+    close(dx, grads[0], "reduce-scatter backward")
     a, b = per_rank[r][0].clone().requires_grad_(True), per_rank[r][1, 0].clone().requires_grad_(True)
     ya, yb = comm.allreduce_grads_in_backward([a, b], group)
     (ya * grads[r][0]).sum().add((yb * grads[r][1, 0]).sum()).backward()
-    close(a.grad, total_dy[0], "grad all-reduce a"); close(b.grad, total_dy[1, 0], "grad all-reduce b")
+    close(a.grad, total_dy[0], "grad all-reduce a")
+    close(b.grad, total_dy[1, 0], "grad all-reduce b")
 
 
 class Collectives:
@@ -135,7 +144,8 @@ def check_linears(group):
     y.float().sum().backward()
     assert col.weight.grad.dtype == xs.grad.dtype == torch.float32
     # column with gathered output; row with a whole (not yet split) input
-    fc1.zero_grad(); fc2.zero_grad()
+    fc1.zero_grad()
+    fc2.zero_grad()
     for layer, ref in ((ColumnParallelLinear.from_linear(fc1, group, gather_output=True), fc1),
                        (RowParallelLinear.from_linear(fc2, group, input_is_parallel=False), fc2)):
         ref.zero_grad()
@@ -175,8 +185,13 @@ def check_sequence_parallel_linears(group):
 
 def check_vocab(group):
     import torch.distributed as dist
-    from plugin.tensor_parallel import (VocabParallelEmbedding, VocabParallelLinear, full_tensor,
-                                        vocab_parallel_cross_entropy)
+
+    from plugin.tensor_parallel import (
+        VocabParallelEmbedding,
+        VocabParallelLinear,
+        full_tensor,
+        vocab_parallel_cross_entropy,
+    )
 
     p = dist.get_world_size(group)
     seeded(4)
@@ -230,6 +245,7 @@ def check_sequence_parallel_embedding(group):
     """The reduce-scatter form of the vocabulary-split embedding, with and without positions, against
     nn.Embedding: this rank's [seq/p, batch, hidden] slice, the table's and the positions' gradients."""
     import torch.distributed as dist
+
     from plugin.tensor_parallel import VocabParallelEmbedding, full_tensor
 
     p = dist.get_world_size(group)
@@ -240,7 +256,9 @@ def check_sequence_parallel_embedding(group):
     dy = torch.randn(seq, 3, 6)  # [seq, batch, hidden], the same on every rank
     split = VocabParallelEmbedding.from_embedding(emb, group, sequence_parallel=True)
     for with_positions in (False, True):
-        emb.zero_grad(); pos.zero_grad(); split.zero_grad()
+        emb.zero_grad()
+        pos.zero_grad()
+        split.zero_grad()
         positions = pos(torch.arange(seq))
         ref = emb(ids).transpose(0, 1) + (positions.unsqueeze(1) if with_positions else 0)
         ref.backward(dy)
@@ -262,6 +280,7 @@ def check_sequence_parallel_embedding(group):
 
 def check_rng(group):
     import torch.distributed as dist
+
     from plugin.tensor_parallel import TensorParallelRNG
 
     r = dist.get_rank(group)
@@ -293,10 +312,11 @@ def check_sequential_plan(group):
     x, dy = torch.randn(4, 8), torch.randn(4, 8)
     xr, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     yr, ys = whole(xr), split(xs)
-    yr.backward(dy); ys.backward(dy)
+    yr.backward(dy)
+    ys.backward(dy)
     close(ys, yr, "Sequential plan output")
     close(xs.grad, xr.grad, "Sequential plan input grad")
-    for (n, pw), (_, ps) in zip(whole.named_parameters(), split.named_parameters()):
+    for (n, pw), (_, ps) in zip(whole.named_parameters(), split.named_parameters(), strict=True):
         close(full_tensor(ps.grad, ps, group), pw.grad, f"Sequential plan grad {n}")
 
 

@@ -342,7 +342,8 @@ def test_a_killed_rank_is_named_where_no_launcher_stops_the_others(recipes):
     assert run.hung == 0 and ": start: native " in run.stderr, run.log()
     _assert_named(run, 2, 0, Topology(dp_size=2))
     assert "rank 0: data 0, tensor 0, pipeline 0 (dead (its process has exited)" in _line(run, 1), run.log()
-    assert f"{REPORT}at once, a peer lost: rank 1: " in run.stderr, run.log()  # gloo: "Connection closed by peer", or reset
+    # gloo: "Connection closed by peer", or reset
+    assert f"{REPORT}at once, a peer lost: rank 1: " in run.stderr, run.log()
     assert _hand_codes(run) == [-signal.SIGKILL, EXIT_HUNG], run.log()
     assert run.ended is not None and run.ended <= CEILING_S and not run.left, run.log()
 
