@@ -1,6 +1,6 @@
-"""Ctrl-C and preemption on real launchers (issues 21 and 32): 2 processes, data parallel, saving every 3 steps.
+"""Ctrl-C and preemption on real launchers (issues 21 and 32): 2 processes, data parallel, the only save the stop's own.
 
-* A signal to ``launch.sh`` once a save is complete, one launch per launcher (SIGINT with torchrun and deepspeed,
+* A signal to ``launch.sh`` once a step is trained, one launch per launcher (SIGINT with torchrun and deepspeed,
   SIGTERM with accelerate): it ends with 128 + the signal's number, every process of its tree with it (no orphan),
   rank 0 prints ``interrupted at step N; saved <dir>/step-N; resume with --resume <dir>`` and no traceback, and step
   N's checkpoint is complete. While the torchrun one trains, a second ``launch.sh`` on the same ``--save`` is refused,
@@ -40,7 +40,9 @@ pytestmark = [pytest.mark.dist, pytest.mark.native]
 DEEPSPEED = [pytest.mark.deepspeed, pytest.mark.slow,
              pytest.mark.skipif(not importable("deepspeed"), reason="deepspeed not installed")]
 ACCELERATE = pytest.mark.skipif(not importable("accelerate"), reason="accelerate not installed")
-SAVE_EVERY, LONG = 3, 400  # a run that would last minutes: the signal ends it
+# a run that would last minutes: the signal ends it. No periodic save falls due before it (a stop that landed on a
+# multiple of --save-every would share that step's save), so every checkpoint there is is the stop's own
+SAVE_EVERY, LONG = 1000, 400
 CEILING_S = 60  # a stop that never ends, not a slow one (the workers' grace is 25 s, torchrun's shutdown 30 s)
 # torchrun's agent, sent SIGTERM or SIGINT, forwards it and then raises torch's SignalException out of its main
 TORCHRUN_TRACEBACK = re.compile(r"^Traceback \(most recent call last\):\n(?:  .*\n)+torch\.distributed\.elastic\."
@@ -67,11 +69,11 @@ def _start(cmd, tmp: Path, log: Path, env=None) -> subprocess.Popen:
                             start_new_session=True)  # its own group: the signal goes to the one pid we name
 
 
-def _interrupt(proc: subprocess.Popen, target: int, ckpt: Path, log: Path, signum: int) -> tuple[int, float, str]:
-    """Wait for the first complete save, send ``signum`` to ``target``; (exit status, seconds until the last process of
-    the job's tree had gone, stderr), having checked that none outlives :data:`CEILING_S`."""
+def _interrupt(proc: subprocess.Popen, target: int, metrics: Path, log: Path, signum: int) -> tuple[int, float, str]:
+    """Wait for the first trained step in ``metrics``, send ``signum`` to ``target``; (exit status, seconds until the
+    last process of the job's tree had gone, stderr), having checked that none outlives :data:`CEILING_S`."""
     start = time.monotonic()
-    while not _complete(ckpt):
+    while not (metrics.exists() and metrics.read_text().count("\n")):
         assert proc.poll() is None and time.monotonic() - start < 300, log.read_text()[-3000:]
         time.sleep(0.05)
     procs = {pid: started for pid, (_, started) in tree(proc.pid).items()}
@@ -144,20 +146,20 @@ LAUNCH_SH = [pytest.param("deepspeed", signal.SIGINT, marks=DEEPSPEED), ("torchr
 def test_a_signal_to_launch_sh_saves_the_step_and_leaves_nothing(launcher, signum, tmp_path):
     recipe = _recipe(tmp_path)
     cmd = [str(ROOT / "launch.sh"), "--launcher", launcher, str(recipe), "--", "--steps", str(LONG),
-           "--save", "ck", "--save-every", str(SAVE_EVERY)]
+           "--save", "ck", "--save-every", str(SAVE_EVERY), "--metrics", "m.jsonl"]
     log = tmp_path / "run.log"
     proc = _start(cmd, tmp_path, log)
     try:
         if launcher == "torchrun":  # one job per directory, asked while the first one lives (every suite has torchrun)
             _wait_for_lock(proc, tmp_path / "ck", log)
             assert _second_job(cmd, tmp_path, cpu_env())[0] == 2  # launch.sh's own refusal, no launcher started
-        code, seconds, err = _interrupt(proc, proc.pid, tmp_path / "ck", log, signum)
+        code, seconds, err = _interrupt(proc, proc.pid, tmp_path / "m.jsonl", log, signum)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     step = _stopped_at(err, "ck")
     print(f"{launcher}: launch.sh exit {code} {seconds:.1f} s after {signum.name}, saved step {step}")
-    assert code == 128 + signum and step in _complete(tmp_path / "ck") and step % SAVE_EVERY  # the stop's own save
+    assert code == 128 + signum and _complete(tmp_path / "ck") == [step]  # the stop's own save, the only one
     assert not (tmp_path / "ck" / "plugin-job.lock").exists()
 
 
@@ -183,14 +185,14 @@ def test_a_signal_to_torchrun_or_accelerate_itself_saves_the_step_and_leaves_not
             _wait_for_lock(proc, tmp_path / "ck", log)
             code, err = _second_job(cmd, tmp_path, env)
             assert code == 1 and "exitcode  : 2" in err  # torchrun's own report (ChildFailedError) of rank 0's exit 2
-        code, seconds, err = _interrupt(proc, proc.pid, tmp_path / "ck", log, signum)
+        code, seconds, err = _interrupt(proc, proc.pid, tmp_path / "new" / "dir" / "m.jsonl", log, signum)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     step = _stopped_at(err, "ck", torchrun_traceback=launcher == "torchrun")
     print(f"{launcher}: exit {code} {seconds:.1f} s after {signum.name} to it, saved step {step}")
     assert code == (1 if launcher == "torchrun" else 128 + signum)
-    assert step in _complete(tmp_path / "ck") and step % SAVE_EVERY  # the stop's own save
+    assert _complete(tmp_path / "ck") == [step]  # the stop's own save, the only one
     assert max(_losses(tmp_path / "new" / "dir" / "m.jsonl")) == step
     assert not (tmp_path / "ck" / "plugin-job.lock").exists()
 
@@ -206,7 +208,7 @@ def test_sigterm_to_the_deepspeed_runner_then_resume_gives_one_process_s_losses(
     first, log = tmp_path / "first.jsonl", tmp_path / "first.log"
     proc = _start(base + ["--steps", str(LONG), "--metrics", str(first)], tmp_path, log)
     try:
-        code, seconds, err = _interrupt(proc, proc.pid, tmp_path / "ck", log, signal.SIGTERM)
+        code, seconds, err = _interrupt(proc, proc.pid, first, log, signal.SIGTERM)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
