@@ -22,7 +22,8 @@ from plugin.engines.choose import importable
 
 from . import spawn
 
-pytestmark = [pytest.mark.dist, pytest.mark.deepspeed,
+# slow: fp16's loss scale across a resume; the README suite resumes DeepSpeed in fp32 (parity, checkpoint matrix)
+pytestmark = [pytest.mark.dist, pytest.mark.deepspeed, pytest.mark.slow,
               pytest.mark.skipif(not importable("deepspeed"), reason="deepspeed not installed")]
 
 def _allow_cpu_fp16() -> bool:

@@ -100,6 +100,7 @@ def test_reference_resumes_itself(reference, tmp_path):
     assert_same_losses(second.losses, reference, range(SAVE_AT + 1, STEPS + 1), second.log())
 
 
+@pytest.mark.slow  # bf16 on DeepSpeed's engine in the README suite: test_deepspeed_one_process's layer list
 def test_bf16_layout_matches_single_process_bf16(tmp_path):
     """bf16 through the deepspeed launcher (pipeline x data, ZeRO-1) against one bf16 process at ZeRO-1."""
     zero1 = {"stage": 1}
@@ -132,7 +133,9 @@ def test_world_size_mismatch_exits_on_every_rank_without_hanging(tmp_path):
     assert took < 60, run.log()
 
 
-@pytest.mark.parametrize("model", [pytest.param("gpt2", marks=pytest.mark.slow), "llama"])
+# both slow: transformers models on DeepSpeed's layouts in the README suite are test_hf_layouts.py's (one spawn)
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_transformers_models_match_single_process(model, tmp_path):
     """train.py --model gpt2/llama: transformers models, sharded by their auto plan at tp2 x dp2."""
     need("transformers")

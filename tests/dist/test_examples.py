@@ -74,7 +74,8 @@ def test_launch_sh_trains_the_default_recipe(tmp_path):
     assert " on cpu, gloo, data 4 x tensor 1 x pipeline 1, ZeRO-1, fp32 (torch " in _start_line(out.stderr)
 
 
-@pytest.mark.parametrize("launcher", [pytest.param("deepspeed", marks=pytest.mark.deepspeed),
+# the README suite runs it under torchrun; under deepspeed (its engine's other paths are the parity suites') it is slow
+@pytest.mark.parametrize("launcher", [pytest.param("deepspeed", marks=[pytest.mark.deepspeed, pytest.mark.slow]),
                                       pytest.param("torchrun", marks=pytest.mark.native)])
 def test_lenet_example_learns_data_parallel(launcher, tmp_path):
     if launcher == "deepspeed":
@@ -107,6 +108,7 @@ def test_lenet_example_in_bf16(tmp_path):
 
 
 @pytest.mark.deepspeed
+@pytest.mark.slow  # Accelerate's DeepSpeed plugin under accelerate launch is also test_native_parity's (cpu_dp4_zero1)
 def test_lenet_bf16_zero1_under_accelerate_launch(tmp_path):
     """ZeRO-1 under `accelerate launch` is Accelerate's DeepSpeed plugin, which casts LeNet to bf16 and adds no
     autocast: without the engine casting the float images, the first convolution fails ("Input type (float)
