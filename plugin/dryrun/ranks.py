@@ -36,6 +36,25 @@ def compress(ranks) -> str:
     return ",".join(parts)
 
 
+def expand(text: str) -> list[int]:
+    """The ranks of a :func:`compress`-ed list.
+
+    >>> expand("0,128,...,896") == list(range(0, 1024, 128))
+    True
+    >>> expand("0,5,7-9")
+    [0, 5, 7, 8, 9]
+    """
+    parts = text.split(",")
+    if len(parts) == 4 and parts[2] == "...":
+        first, second, last = int(parts[0]), int(parts[1]), int(parts[3])
+        return list(range(first, last + 1, second - first))
+    out = []
+    for part in parts:
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def parse_ranks(text: str, world_size: int) -> list[int]:
     """``all``, or ranks and ranges (``0,5,7-9``), each inside the world; sorted, without repeats."""
     if text.strip() == "all":
