@@ -251,7 +251,8 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
         raise PluginError(f'unknown backend {backend!r} -> use "deepspeed", "accelerate" or "native"')
     from ..watchdog.guard import prepare
 
-    guard = None if meta else prepare(recipe, env, device.type, job_dir)  # before any process group: rank 0 may fork its store
+    # before any process group: rank 0 may fork its store (none in a dry run)
+    guard = None if meta else prepare(recipe, env, device.type, job_dir)
     try:
         engine = build(BuildContext(model=model, recipe=recipe, layout=layout, env=env, device=device,
                                     layers_of=layers_of, apply_tp=apply_tp, loss_for=loss_for, decay=decay,
