@@ -2,7 +2,8 @@
 plot, elastic, sbatch, dryrun.
 
 Each command is a module in :mod:`plugin.cli` with ``register(subparsers)`` and ``run(args) -> int``.
-None of them imports torch, deepspeed or accelerate: they answer in milliseconds (``checkpoint export`` and ``dryrun`` run a child).
+None of them imports torch, deepspeed or accelerate: they answer in milliseconds (``checkpoint export`` and
+``dryrun`` run a child).
 Exit codes: 0 fine (warnings on stderr), 1 usage error, 2 invalid recipe, 3 it does not fit
 (``estimate`` and ``plan``).
 """
