@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .ranks import compress
 
-PUBLIC = ("rank", "coordinates", "groups", "parameters", "bytes", "estimate", "ratio", "collectives",
+PUBLIC = ("rank", "stepped", "coordinates", "groups", "parameters", "bytes", "estimate", "ratio", "collectives",
           "setup_collectives", "seconds")
 
 
@@ -57,6 +57,10 @@ def table(result: dict) -> str:
                      f"{r['parameters']:>14,} {_gb(b['parameters']):>8} {_gb(b['gradients']):>8} "
                      f"{_gb(b['optimizer_states']):>8} {_gb(b['total']):>8} {_gb(r['estimate']['total']):>8} "
                      f"{r['ratio'] if r['ratio'] is not None else '-':>6} {calls:>6} {_gb(sent):>8}")
+    if not all(r["stepped"] for r in result["ranks"]):
+        lines.append("not stepped (FSDP2 refuses parameters on meta at its first forward): ranks "
+                     + compress([r["rank"] for r in result["ranks"] if not r["stepped"]]) + ": built only, no "
+                     "gradients, optimizer states or collectives")
     lines.append("roles (ranks that hold and say the same):")
     for role in roles(result["ranks"]):
         lines.append(f"  stage {role['pipeline']}: ranks {role['ranks']}: {role['parameters']:,} parameters, "

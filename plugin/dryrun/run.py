@@ -9,12 +9,23 @@ from .ranks import default_ranks, verify_ranks
 
 
 def with_earlier_stages(ranks: list[int], topology: Topology) -> list[int]:
-    """``ranks`` and, for each rank of a later pipeline stage, the rank of each earlier stage at the same place
-    (a stage's simulation takes its input shapes from the stage before it); in rank order, stage by stage."""
+    """``ranks`` and, for a rank of a later pipeline stage, a rank of each earlier stage at the same tensor and context
+    place when none is among them (a stage's simulation takes its input shapes from the stage before it, the same in
+    every data replica); in rank order, stage by stage.
+
+    >>> with_earlier_stages([7], Topology(pp_size=2, dp_size=2, tp_size=2))
+    [3, 7]
+    >>> with_earlier_stages([1, 7], Topology(pp_size=2, dp_size=2, tp_size=2))
+    [1, 7]
+    """
     out = set(ranks)
+    places = {(c.pp, c.tp, c.cp) for c in map(topology.coord, ranks)}
     for r in ranks:
         c = topology.coord(r)
-        out.update(topology.rank(pp=p, dp=c.dp, tp=c.tp, cp=c.cp) for p in range(c.pp))
+        for p in range(c.pp):
+            if (p, c.tp, c.cp) not in places:
+                out.add(topology.rank(pp=p, dp=c.dp, tp=c.tp, cp=c.cp))
+                places.add((p, c.tp, c.cp))
     return sorted(out)
 
 

@@ -6,7 +6,9 @@ built on meta): the same groups, tensor plan, pipeline stages, context axis and 
 ``ZeroRedundancyOptimizer``, row shards, FSDP2) that a recipe trains with under torchrun. The data contract's
 per-step all-gather is left out (``check_peer_rows`` off: its verdict reads the peers' values, which meta does not
 hold); everything else in the step runs: micro-batches, the pipeline schedule, the gradient reduction, the
-clipping norm, the optimizer's update.
+clipping norm, the optimizer's update. FSDP2 (ZeRO-3, ZeRO-2 with CPU offload) is built (its mesh on the CPU, each
+parameter's shard on meta) but not stepped: its first forward refuses parameters left on meta; such a rank reports
+``"stepped": false``, its shards and no collectives.
 """
 from __future__ import annotations
 
@@ -163,7 +165,9 @@ def simulate_rank(recipe, model_name: str, world_size: int, rank: int, cache: Ca
         engine.check_peer_rows = False  # the data contract's verdict reads values (module docstring)
         engine.check_labels = _no_label_check  # the label count read from meta is 0: a check of values
         peak = _count_at_update(engine)
-        engine.train_step(cache.batch)
+        stepped = not getattr(engine, "fsdp", False)  # FSDP2 refuses parameters on meta at its first forward
+        if stepped:
+            engine.train_step(cache.batch)
         calls = list(log.calls)
         groups = engine.groups
         names = _group_names(groups, topology)
@@ -177,6 +181,7 @@ def simulate_rank(recipe, model_name: str, world_size: int, rank: int, cache: Ca
         coord = topology.coord(rank)
         report = {
             "rank": rank,
+            "stepped": stepped,
             "coordinates": {"pipeline": coord.pp, "data": coord.dp, "context": coord.cp, "tensor": coord.tp},
             "groups": {axis: compress(getattr(groups, f"{axis}_ranks")) for axis in topology.AXES
                        if getattr(groups, f"{axis}_ranks", None)},
