@@ -79,6 +79,7 @@ class Cache:
     model_count: int
     estimates: dict = field(default_factory=dict)
     stages: StageMetadata = field(default_factory=StageMetadata)
+    kernels: dict = field(default_factory=dict)  # the meta kernels' outputs by their inputs (backend.MetaValues)
 
     def estimate(self, recipe, world_size: int, stage: int) -> dict:
         if stage not in self.estimates:
@@ -157,7 +158,7 @@ def simulate_rank(recipe, model_name: str, world_size: int, rank: int, cache: Ca
 
     topology = Topology.from_recipe(recipe, world_size)
     start = time.perf_counter()
-    with simulated_rank(rank, world_size) as log, cache.stages.patched(topology.tp_size * topology.cp_size):
+    with simulated_rank(rank, world_size, cache.kernels) as log, cache.stages.patched(topology.tp_size * topology.cp_size):
         model = build_model(model_name, recipe.model)
         engine = initialize(model, recipe, backend="native", seed=0, meta=True)
         built = list(log.groups)
