@@ -158,7 +158,8 @@ def simulate_rank(recipe, model_name: str, world_size: int, rank: int, cache: Ca
 
     topology = Topology.from_recipe(recipe, world_size)
     start = time.perf_counter()
-    with simulated_rank(rank, world_size, cache.kernels) as log, cache.stages.patched(topology.tp_size * topology.cp_size):
+    inner = topology.tp_size * topology.cp_size
+    with simulated_rank(rank, world_size, cache.kernels) as log, cache.stages.patched(inner):
         model = build_model(model_name, recipe.model)
         engine = initialize(model, recipe, backend="native", seed=0, meta=True)
         built = list(log.groups)
