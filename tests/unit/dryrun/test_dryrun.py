@@ -79,3 +79,22 @@ def test_the_command_prints_the_issue_schema_and_names_a_failed_check(tmp_path):
     assert {c["group"] for c in rank["collectives"]} >= {"tensor", "pipeline"}
     assert {c["name"]: c["ok"] for c in data["checks"]} == {"groups": True, "collectives": True, "pipeline": True,
                                                            "parameters": True, "memory": False}
+
+
+def test_a_collective_one_rank_skips_is_named(monkeypatch):
+    """The hang at step 1 of a large job, found before it: tensor rank 1 leaves out the gradient norm's all-reduce
+    over the model group (a fault put in the clipping here); ``verify`` simulates every member, and the collectives
+    check names the ranks that differ from their group."""
+    import plugin.distributed.clipping as clipping
+    from plugin.dryrun.run import dry_run
+
+    norm = clipping.global_grad_norm
+
+    def skipping(params, **kw):
+        return norm(params, **{**kw, "model_size": 1}) if kw["tp_rank"] == 1 else norm(params, **kw)
+
+    monkeypatch.setattr(clipping, "global_grad_norm", skipping)
+    result = dry_run(load_recipe("cpu_tp2_pp2"), verify=True)
+    check = next(c for c in result["checks"] if c["name"] == "collectives")
+    assert check["ok"] is False and check["ranks"] == [1, 3], check
+    assert "group 0-3" in check["detail"]
