@@ -20,8 +20,9 @@ import torch
 
 from ..distributed.topology import Topology
 from ..planning.for_recipe import expected_model_states_for_recipe
-from .backend import StageMetadata, simulated_rank
+from .backend import simulated_rank
 from .ranks import compress
+from .stages import StageMetadata
 
 
 def build_model(name: str, dims):
