@@ -52,10 +52,11 @@ def test_every_shipped_recipe_builds_and_steps_its_last_rank(tmp_path):
 
 
 @pytest.mark.slow
-def test_every_shipped_recipe_default_ranks_all_checks_pass():
-    """Replica 0 and the last rank of every shipped recipe as it is: the replica's parameter count is checked too."""
+def test_every_shipped_recipe_default_ranks_all_checks_pass(tmp_path):
+    """Replica 0 and the last rank of every shipped recipe (as few micro-batches as above): the replica's parameter
+    count is checked too."""
     for name in SHIPPED:
-        result = _dry(name, None)
+        result = _dry(name, None, tmp_path)
         assert [c["ok"] for c in result["checks"] if c["name"] == "parameters"] == [True], name
         assert not [c for c in result["checks"] if c["ok"] is False], name
 
