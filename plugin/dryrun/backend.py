@@ -9,7 +9,8 @@
 * :func:`simulated_rank`: the environment of one rank of the job (``RANK``, ``WORLD_SIZE``), the default group
   on the recording backend, values read from meta tensors answered (:mod:`.meta`), and DDP's start-up check of
   parameter shapes across ranks turned off (an all-gather whose answer it reads, which meta cannot give: the dry run
-  compares the ranks itself, :mod:`.checks`).
+  compares the ranks itself, :mod:`.checks`); a refusal is not waited for on ranks other than 0 (one process says
+  it, once).
 """
 from __future__ import annotations
 
@@ -153,12 +154,16 @@ def simulated_rank(rank: int, world_size: int, kernels: dict | None = None):
     import torch.nn.parallel.distributed as ddp
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from ..engines import initialize as init_module
+
     register()
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                                             "MASTER_PORT")}
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
     verify, ddp._verify_param_shape_across_processes = ddp._verify_param_shape_across_processes, _no_check
+    # a refusal: every rank but 0 waits 15 s for rank 0 to print it; here one process says it once (plugin.dryrun)
+    speak, init_module.let_rank_0_speak = init_module.let_rank_0_speak, _no_check
     nonzero, fx_config.meta_nonzero_assume_all_nonzero = fx_config.meta_nonzero_assume_all_nonzero, True
     LOG.groups.clear()
     LOG.calls.clear()
@@ -169,6 +174,7 @@ def simulated_rank(rank: int, world_size: int, kernels: dict | None = None):
     finally:
         dist.destroy_process_group()
         ddp._verify_param_shape_across_processes = verify
+        init_module.let_rank_0_speak = speak
         fx_config.meta_nonzero_assume_all_nonzero = nonzero
         for k, v in saved.items():
             if v is None:

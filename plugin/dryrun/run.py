@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 from ..distributed.topology import Topology
+from ..errors import PluginError, RecipeError
 from .checks import run_checks
 from .ranks import default_ranks, verify_ranks
 
@@ -46,7 +47,14 @@ def dry_run(recipe, *, model: str = "gpt", world_size: int | None = None, ranks:
     cache = make_cache(recipe, model, world)
     reports = []
     for i, rank in enumerate(chosen):
-        reports.append(simulate_rank(recipe, model, world, rank, cache))
+        try:
+            reports.append(simulate_rank(recipe, model, world, rank, cache))
+        except RecipeError:
+            raise  # the recipe against the model: the same on every rank, said with its JSON paths
+        except PluginError as e:
+            c = topology.coord(rank)
+            raise PluginError(f"rank {rank} (pipeline {c.pp}, data {c.dp}, context {c.cp}, tensor {c.tp}): {e}") \
+                from e
         if progress:
             progress(i + 1, len(chosen), rank)
     seconds = time.perf_counter() - start

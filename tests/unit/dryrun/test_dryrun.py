@@ -99,3 +99,18 @@ def test_a_collective_one_rank_skips_is_named(monkeypatch):
     check = next(c for c in result["checks"] if c["name"] == "collectives")
     assert check["ok"] is False and check["ranks"] == [1, 3], check
     assert "group 0-3" in check["detail"]
+
+
+def test_a_pipeline_cut_the_model_cannot_take_is_named_with_its_rank(tmp_path):
+    """The recipe passes ``validate`` (it cannot know the model's layer classes); the dry run builds the stage cut and
+    names it, with the rank (``python -m plugin dryrun`` then exits 2, as for a failed check)."""
+    from plugin.dryrun.run import dry_run
+    from plugin.errors import PluginError
+
+    recipe = json.loads((recipes_dir() / "cpu_tp2_pp2.json").read_text())
+    recipe["pipeline_parallel"]["partition"] = "type:NoSuchBlock"
+    path = tmp_path / "bad_cut.json"
+    path.write_text(json.dumps(recipe))
+    with pytest.raises(PluginError, match=r'rank 0 \(pipeline 0, data 0, context 0, tensor 0\): partition '
+                       r'"type:NoSuchBlock" matches none of the layer classes'):
+        dry_run(load_recipe(path), ranks=[2])
