@@ -1,8 +1,9 @@
 """``python -m plugin`` (the ``parallel-recipe`` script): validate, show, export, import, estimate, plan, checkpoint,
-plot, elastic, sbatch.
+plot, elastic, sbatch, dryrun.
 
 Each command is a module in :mod:`plugin.cli` with ``register(subparsers)`` and ``run(args) -> int``.
-None of them imports torch, deepspeed or accelerate: they answer in milliseconds (``checkpoint export`` runs a child).
+None of them imports torch, deepspeed or accelerate: they answer in milliseconds (``checkpoint export`` and
+``dryrun`` run a child).
 Exit codes: 0 fine (warnings on stderr), 1 usage error, 2 invalid recipe, 3 it does not fit
 (``estimate`` and ``plan``).
 """
@@ -15,7 +16,8 @@ import sys
 
 from .common import run_command
 
-COMMANDS = ["validate", "show", "export", "import_", "estimate", "plan", "elastic", "checkpoint", "plot", "sbatch"]
+COMMANDS = ["validate", "show", "export", "import_", "estimate", "plan", "elastic", "checkpoint", "plot", "sbatch",
+            "dryrun"]
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

@@ -80,6 +80,8 @@ class BuildContext:
         the tensor-parallel cuts re-run on the whole values; then nothing it holds is left on meta. First every
         rank checks that all ranks have the same :attr:`seed` (one all-gather; a :class:`PluginError` on every rank
         when they differ, :func:`plugin.materialize.same_seed.check_same_seed`): the process group must exist."""
+        if self.device.type == "meta":  # the dry run: shapes only, nothing to fill
+            return
         from ..materialize import materialize
         from ..materialize.same_seed import check_same_seed
 

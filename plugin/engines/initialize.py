@@ -32,9 +32,11 @@ def choose_backend(recipe: Recipe, device_type: str | None = None) -> str:
                   has_transformers=importable("transformers"))
 
 
-def _device(env):
+def _device(env, meta: bool = False):
     import torch
 
+    if meta:  # the dry run: nothing is allocated, nothing materialised (plugin.dryrun)
+        return torch.device("meta")
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
@@ -164,7 +166,8 @@ def _fail(problems: list[Problem], env) -> None:
 
 
 def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, loss_fn: Callable | None = None,
-               world_size: int | None = None, backend: str | None = None, weights=None, job_dir=None):
+               world_size: int | None = None, backend: str | None = None, weights=None, job_dir=None,
+               meta: bool = False):
     """Shard ``model`` per ``recipe`` and wrap it in the chosen back end's :class:`~plugin.engines.base.Engine`.
 
     This is the call that creates the process group (from the launcher's ``RANK`` / ``WORLD_SIZE``): build what asks
@@ -190,6 +193,8 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
     ``job_dir``: where the hang guard writes its ledgers at a timeout (``<job_dir>/watchdog/<run>``, e.g. the
     ``--save`` directory; default a directory under the system's temporary one): :mod:`plugin.watchdog`, set up here
     for any world of more than one process, its pre-flight passed before this returns.
+    ``meta``: build on the meta device and stop there (:mod:`plugin.dryrun`, over a process group it created): every
+    group, the tensor plan, the stage and the sharding are real, nothing is materialised, no hang guard is started.
     Raises :class:`RecipeError` with every problem, before building anything, when the recipe does not fit the
     launched world or the model.
     """
@@ -211,7 +216,7 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
             print(p.format(), file=sys.stderr)
     layout = recipe.layout(env.world_size)
     ensure_single_process_env()  # a plain `python train.py` still needs a rendezvous address for its group of one
-    device = _device(env)
+    device = _device(env, meta)
     backend = backend or choose_backend(recipe, device.type)
     _warn_on_launch_precision(recipe, env)
     if recipe.parallelism.context > 1:
@@ -246,12 +251,14 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
         raise PluginError(f'unknown backend {backend!r} -> use "deepspeed", "accelerate" or "native"')
     from ..watchdog.guard import prepare
 
-    guard = prepare(recipe, env, device.type, job_dir)  # before any process group: rank 0 may fork its store
+    # before any process group: rank 0 may fork its store (none in a dry run)
+    guard = None if meta else prepare(recipe, env, device.type, job_dir)
     try:
         engine = build(BuildContext(model=model, recipe=recipe, layout=layout, env=env, device=device,
                                     layers_of=layers_of, apply_tp=apply_tp, loss_for=loss_for, decay=decay,
                                     seed=_seed(seed, weights), units=tuple(units), weights=source, guard=guard))
-        _check_nothing_left_on_meta(engine)
+        if not meta:
+            _check_nothing_left_on_meta(engine)
         from .lr_schedule import build_lr_schedule
 
         engine.lr_schedule = build_lr_schedule(engine.schedule_optimizer(), recipe)  # one LambdaLR, every back end
@@ -268,7 +275,7 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
             guard.stop()
             guard.release()
         raise
-    if env.is_main:  # here, not in each back end: every back end passes this line
+    if env.is_main and not meta:  # here, not in each back end: every back end passes this line
         print(f"{recipe.source or recipe.name}: {startup_line(engine)}", file=sys.stderr, flush=True)
     from ..monitor.excepthook import install as install_excepthook
 

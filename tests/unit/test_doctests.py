@@ -8,7 +8,7 @@ import pytest
 MODULES = ["plugin.distributed.topology", "plugin.pipeline_parallel.stages", "plugin.planning.units",
            "plugin.materialize.seeds", "plugin.recipe.elastic", "plugin.recipe.layout",
            "plugin.context_parallel.chunks", "plugin.watchdog.settings", "plugin.watchdog.ledger",
-           "plugin.watchdog.verdict"]
+           "plugin.watchdog.verdict", "plugin.dryrun.ranks", "plugin.dryrun.run"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -27,12 +27,14 @@ PLUGIN = Path(plugin.__file__).resolve().parent
 # room above them; a room imports only from rooms above it or from itself.
 ROOMS = ["recipe", "interop", "planning", "distributed", "tensor_parallel", "context_parallel", "pipeline_parallel",
          "materialize", "models", "data", "checkpoint", "monitor", "watchdog", "engines", "elastic", "job", "launch",
-         "cli"]
+         "dryrun", "cli"]
 SHARED = {"plugin.errors"}
 PURE_PACKAGES = ["plugin.recipe", "plugin.interop", "plugin.planning", "plugin.elastic", "plugin.job", "plugin.launch",
                  "plugin.cli"]
 PURE_MODULES = ["plugin.errors", "plugin.distributed.topology", "plugin.distributed.env", "plugin.engines.choose",
                 "plugin.engines.model_checks",
+                "plugin.dryrun", "plugin.dryrun.ranks", "plugin.dryrun.args", "plugin.dryrun.checks",
+                "plugin.dryrun.report",
                 "plugin.checkpoint.directory", "plugin.checkpoint.manifest", "plugin.checkpoint.writeback",
                 "plugin.checkpoint.verify", "plugin.checkpoint.checksum",
                 "plugin.monitor", "plugin.monitor.record", "plugin.monitor.console", "plugin.monitor.metrics",

@@ -135,7 +135,7 @@ class NativeEngine(Engine):
 
     def autocast(self):
         """Autocast for engines that keep fp32 parameters (FSDP2 casts through its policy instead)."""
-        if self.dtype is None or self.fsdp:
+        if self.dtype is None or self.fsdp or self.device.type == "meta":  # meta: the dry run (no autocast there)
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 

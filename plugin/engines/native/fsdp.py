@@ -50,7 +50,9 @@ def shard_fsdp2(model, recipe, groups, device, layers_of: Callable):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = DeviceMesh.from_group(groups.data_context_group, device.type, mesh_dim_names=("data",))  # x context
+    # x context; a dry run on meta puts its mesh on the CPU (FSDP2 has no meta device handle)
+    mesh = DeviceMesh.from_group(groups.data_context_group, "cpu" if device.type == "meta" else device.type,
+                                 mesh_dim_names=("data",))
     z = recipe.zero
     # Pinned host memory only speeds up copies to and from a CUDA device; on CPU it would be locked for nothing.
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") \
