@@ -187,8 +187,8 @@ def check_expert(recipe: Recipe, layout: Layout | None) -> Problems:
         ffn = moe.ffn_hidden if moe.ffn_hidden is not None else m.ffn_hidden_resolved
         split = par.expert_tensor_resolved
         if ffn % split:
-            yield Problem("$.model.moe.ffn_hidden", f"expert ffn_hidden {ffn} is not divisible by expert tensor {split}: "
-                          "each tensor rank holds whole columns of every expert it holds",
+            yield Problem("$.model.moe.ffn_hidden", f"expert ffn_hidden {ffn} is not divisible by expert tensor "
+                          f"{split}: each tensor rank holds whole columns of every expert it holds",
                           f"use an expert ffn_hidden that is a multiple of {split}, or \"expert_tensor\": 1")
     if etp is not None and etp not in (1, par.tensor):
         yield Problem("$.parallelism.expert_tensor", f"expert_tensor {etp}: experts are split over the tensor group "
