@@ -37,16 +37,23 @@ LAYOUTS = {  # name -> (parallelism, moe overrides, forced expert, rtol)
     "expert2_tensor2": ({"data": 2, "tensor": 2, "expert": 2}, {}, None, 1e-4),
     "expert2_context2": ({"data": 2, "context": 2, "expert": 2}, {}, None, 1e-5),
     "expert4_all_to_expert0": ({"data": 4, "expert": 4}, {"top_k": 1}, 0, 1e-5),
+    "expert2_tensor2_meta": ({"data": 2, "tensor": 2, "expert": 2}, {}, None, 1e-4),  # built on meta, cut there
+}
+REFUSED = {  # before any group, on every rank: what the axis does not reach yet
+    "zero1": ({"data": 4, "expert": 2}, {"zero": {"stage": 1}}, "$.zero.stage"),
+    "pipeline": ({"data": 2, "pipeline": 2, "expert": 2}, {"batch": {"global": 16, "micro": 2, "grad_accum": 4}},
+                 "$.parallelism.pipeline"),
+    "deepspeed": ({"data": 4, "expert": 2}, {"launcher": "deepspeed"}, "$.parallelism.expert"),
 }
 
 
-def _recipe(parallelism: dict, moe: dict):
+def _recipe(parallelism: dict, moe: dict, blocks: dict | None = None):
     from plugin.recipe.spec import Recipe
 
     return Recipe.from_dict({
         "name": "moe", "batch": {"global": 16, "micro": 2}, "launcher": "torchrun",
         "parallelism": {"tensor": 1, "pipeline": 1, **parallelism}, "optimizer": SGD, "gradient_clipping": CLIP,
-        "model": {**MODEL, "moe": {**MODEL["moe"], **moe}}})
+        "model": {**MODEL, "moe": {**MODEL["moe"], **moe}}, **(blocks or {})})
 
 
 def _model(recipe, forced):
@@ -121,7 +128,9 @@ def _layouts(rank, world, path):
     for name, (par, moe, forced, rtol) in LAYOUTS.items():
         recipe = _recipe(par, moe)
         ref_losses, ref_norms, ref_grads, ref_params = references[name]
-        engine = plugin.initialize(_model(recipe, forced), recipe, backend="native")
+        meta = name.endswith("_meta")
+        engine = plugin.initialize((lambda recipe=recipe, forced=forced: _model(recipe, forced)) if meta
+                                   else _model(recipe, forced), recipe, backend="native", seed=0 if meta else None)
         module = engine.container
         first = {}
 
@@ -156,6 +165,19 @@ def _layouts(rank, world, path):
         out[name] = {"losses": losses, "norms": norms, "compared": compared, "worst": worst,
                      "experts": [(m.first, m.w1.shape[0]) for m in experts],
                      "ranks": (engine.groups.expert_ranks, engine.groups.expert_data_ranks)}
+    from plugin.engines import initialize as init_module
+    from plugin.errors import PluginError, RecipeError
+
+    init_module.let_rank_0_speak = lambda: None  # every rank refuses alike here: no 15 s wait for rank 0's message
+    for name, (par, blocks, path) in REFUSED.items():
+        recipe = _recipe(par, {}, blocks)
+        backend = "deepspeed" if name == "deepspeed" else "native"
+        with pytest.raises(RecipeError) as refused:
+            plugin.initialize(_model(recipe, None), recipe, backend=backend)
+        out[name] = [p.path for p in refused.value.problems]
+        assert path in out[name], (name, out[name])
+    with pytest.raises(PluginError, match="checkpoints with an expert axis"):
+        engine.save("/nonexistent/never-written")
     return out
 
 
