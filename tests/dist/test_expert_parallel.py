@@ -12,7 +12,10 @@ over the expert group, is compared):
   micro-batches (the load-balancing loss is computed over those tokens, :mod:`plugin.expert_parallel.router`): the
   losses, the gradient norms, every gradient of the first step (after clipping) and every parameter after the last
   step that the rank holds whole or as an expert slice (tensor-split dense weights are seen through the norm), rel
-  1e-5 (1e-4 through tensor parallelism).
+  1e-5 (1e-4 through tensor parallelism);
+* what the axis does not reach (ZeRO-1, pipeline, DeepSpeed) refused on every rank before any group;
+* checkpoints across expert degrees: expert 2 trains 2 steps and saves, expert 1 resumes for step 3 and saves,
+  expert 4 resumes for step 4, each step one process's loss and gradient norm.
 
 The model has a dense block and a MoE block (4 experts, top-2, ``every`` 2), global batch 16 at micro 2: the data 4
 layouts accumulate 2 micro-batches per step, so the per-micro-batch load-balancing term is exercised.
@@ -74,7 +77,7 @@ def _micro_steps(x, lay):
                        for r in range(lay.data)]) for i in range(lay.grad_accum)]
 
 
-def _reference(recipe, forced):
+def _reference(recipe, forced, steps=STEPS):
     """Losses, gradient norms, the first step's clipped gradients and the last parameters of one process."""
     from plugin.data.text import TextBatches
     from plugin.engines.optim import WeightDecay, build_optimizer
@@ -87,7 +90,7 @@ def _reference(recipe, forced):
     moes = [b.moe for b in model.blocks if hasattr(b, "moe")]
     coef = recipe.model.moe.aux_loss_coef
     losses, norms, grads = [], [], None
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = data.global_batch(step, lay.global_batch)
         total = 0.0
         for xs, ys in zip(_micro_steps(x, lay), _micro_steps(y, lay), strict=True):
@@ -119,7 +122,7 @@ def _piece(name, whole, module, engine):
     return whole if p.shape == whole.shape and not getattr(p, "tensor_model_parallel", False) else None
 
 
-def _layouts(rank, world, path):
+def _layouts(rank, world, path, directory):
     import plugin
     from plugin.data.text import TextBatches
 
@@ -166,7 +169,7 @@ def _layouts(rank, world, path):
                      "experts": [(m.first, m.w1.shape[0]) for m in experts],
                      "ranks": (engine.groups.expert_ranks, engine.groups.expert_data_ranks)}
     from plugin.engines import initialize as init_module
-    from plugin.errors import PluginError, RecipeError
+    from plugin.errors import RecipeError
 
     init_module.let_rank_0_speak = lambda: None  # every rank refuses alike here: no 15 s wait for rank 0's message
     for name, (par, blocks, path) in REFUSED.items():
@@ -176,17 +179,42 @@ def _layouts(rank, world, path):
             plugin.initialize(_model(recipe, None), recipe, backend=backend)
         out[name] = [p.path for p in refused.value.problems]
         assert path in out[name], (name, out[name])
-    with pytest.raises(PluginError, match="checkpoints with an expert axis"):
-        engine.save("/nonexistent/never-written")
+    out["checkpoints"] = _checkpoints(references["chain"], directory)
     return out
+
+
+def _checkpoints(reference, directory):
+    """Expert 2 trains 2 steps and saves; expert 1 loads it and trains step 3, saves; expert 4 loads that and trains
+    step 4: each step's loss and norm one process's (the experts' momentum buffers travel with them)."""
+    import plugin
+    from plugin.data.text import TextBatches
+
+    got = []
+    for expert, steps, load, save in ((2, (0, 1), None, "e2"), (1, (2,), "e2", "e1"), (4, (3,), "e1", None)):
+        recipe = _recipe({"data": 4, "expert": expert}, {})
+        engine = plugin.initialize(_model(recipe, None), recipe, backend="native")
+        if load:
+            engine.load(f"{directory}/{load}")
+        data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
+        for step in steps:
+            got.append((engine.train_step(data.global_batch(step, engine.layout.global_batch)),
+                        engine.last_step.grad_norm))
+        if save:
+            engine.save(f"{directory}/{save}")
+    ref_losses, ref_norms = reference[0], reference[1]
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
+                               torch.tensor(list(zip(ref_losses, ref_norms, strict=True)), dtype=torch.float64),
+                               rtol=1e-5, atol=1e-6, msg=lambda m: f"expert 2 -> 1 -> 4 checkpoints: {m}")
+    return got
 
 
 def test_expert_layouts_train_one_process_losses_gradients_and_weights(tmp_path):
     references = {name: _reference(_recipe(par, moe), forced) for name, (par, moe, forced, _) in LAYOUTS.items()}
     for name, (_, norms, _, _) in references.items():
         assert min(norms) > CLIP, f"{name}: the clipping must act: gradient norms {norms} against {CLIP}"
+    references["chain"] = _reference(_recipe({"data": 4, "expert": 2}, {}), None, steps=4)
     torch.save(references, tmp_path / "references.pt")  # a file: tensors passed as arguments would travel as fds
-    results = run(_layouts, 4, str(tmp_path / "references.pt"), timeout_s=120)
+    results = run(_layouts, 4, str(tmp_path / "references.pt"), str(tmp_path), timeout_s=120)
     for name in LAYOUTS:
         print(f"{name}: losses {results[0][name]['losses']} (reference {references[name][0]}), norms "
               f"{results[0][name]['norms']} (reference {references[name][1]}); groups by rank "
@@ -195,3 +223,5 @@ def test_expert_layouts_train_one_process_losses_gradients_and_weights(tmp_path)
         assert all(r[name]["compared"] > 10 for r in results)
     assert results[0]["expert4"]["experts"] == [(0, 1)] and results[3]["expert4"]["experts"] == [(3, 1)]
     assert results[1]["expert2_edp2"]["ranks"] == ((0, 1), (1, 3))
+    print(f"expert 2 -> 1 -> 4 through checkpoints: (loss, norm) per step {results[0]['checkpoints']} (reference "
+          f"{list(zip(references['chain'][0], references['chain'][1], strict=True))})")

@@ -192,17 +192,7 @@ class NativeEngine(Engine):
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str, client_state: dict | None = None, *, keep: int | None = None):
-        self._check_expert_checkpoint("save")
         return state.save(self, directory, client_state, keep=keep)
-
-    def _check_expert_checkpoint(self, what: str) -> None:
-        """Checkpoints with an expert axis are not reached yet: each rank's experts would be written under the whole
-        model's names with the wrong shapes. Refused before anything is written or read."""
-        if self.groups.ep_size > 1:
-            from ...errors import PluginError
-
-            raise PluginError(f"{what}: checkpoints with an expert axis (expert {self.groups.ep_size}) are not reached "
-                              'yet -> train with "expert": 1 to save or resume, or without --save/--resume')
 
     def named_local_params(self) -> dict:
         return state.named_local_params(self)
@@ -211,7 +201,6 @@ class NativeEngine(Engine):
         return state.local_optimizer(self)
 
     def load(self, directory: str) -> dict:
-        self._check_expert_checkpoint("load")
         return state.load(self, directory)
 
     # ------------------------------------------------------------------ memory
