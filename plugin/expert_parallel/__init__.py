@@ -7,7 +7,7 @@ experts, mark their parameters), ``aux`` (the load-balancing losses added to the
 experts' gradients reduced over the expert-data group).
 """
 from .apply import apply_expert_parallel, is_expert_param
-from .aux import moe_layers, with_aux_losses
+from .aux import moe_layers, update_router_biases, with_aux_losses
 from .layer import MoE
 
-__all__ = ["MoE", "apply_expert_parallel", "is_expert_param", "moe_layers", "with_aux_losses"]
+__all__ = ["MoE", "apply_expert_parallel", "is_expert_param", "moe_layers", "update_router_biases", "with_aux_losses"]

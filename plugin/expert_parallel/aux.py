@@ -47,3 +47,10 @@ def with_aux_losses(loss_for: Callable, model: nn.Module, coef: float) -> Callab
         return AuxLoss(loss_for(tp_group), layers, coef)
 
     return wrapped
+
+
+def update_router_biases(model: nn.Module) -> None:
+    """Every sigmoid router's score-correction bias moved by its step's loads (:meth:`.layer.MoE.update_bias`):
+    once per optimizer step, after it, on every rank."""
+    for m in moe_layers(model):
+        m.update_bias()

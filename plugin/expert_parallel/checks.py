@@ -24,6 +24,11 @@ def check_expert_reach(recipe, layout, backend: str, moe_layers: int) -> list[Pr
                            "over more than one data rank: its expert groups and the load-balancing statistics over "
                            "data x context are not reached there yet", 'use the native back end ("launcher": '
                            '"torchrun")'))
+    moe = recipe.model.moe if recipe.model is not None else None
+    if moe is not None and moe.router == "sigmoid" and backend != "native":
+        out.append(Problem("$.model.moe.router", f'the "sigmoid" router on the {backend} back end: its bias update '
+                           "after each step is the native back end's (not reached there yet)",
+                           'use the native back end ("launcher": "torchrun"), or "router": "softmax"'))
     if layout.pipeline > 1:
         out.append(Problem("$.parallelism.pipeline", f"MoE layers with pipeline {layout.pipeline}: the load-balancing "
                            "losses of stages before the last would not reach the loss (not reached yet)",

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..tensor_parallel.comm import copy_to_tensor_region, reduce_from_tensor_region
+from .comm import group_size
 from .dispatch import dispatch_combine
-from .router import load_balancing_loss, softmax_top_k
+from .router import load_balancing_loss, sigmoid_top_k, softmax_top_k, updated_bias
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,21 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router and experts. ``forward(x [..., hidden]) -> [..., hidden]``."""
+    """Router and experts. ``forward(x [..., hidden]) -> [..., hidden]``.
 
-    def __init__(self, hidden: int, experts: int, top_k: int, ffn_hidden: int):
+    ``router``: ``"softmax"`` (with the load-balancing loss) or ``"sigmoid"`` (DeepSeek-V3: ``score_bias``, a
+    parameter without gradient, steers the choice; each training forward adds its choices to ``load``, and
+    :meth:`update_bias`, called after every optimizer step, sums them over data x context and moves the bias by
+    ``bias_update_rate`` towards balance: the same on every rank and layout as on one process)."""
+
+    def __init__(self, hidden: int, experts: int, top_k: int, ffn_hidden: int, router: str = "softmax",
+                 bias_update_rate: float = 0.001):
         super().__init__()
         self.router = nn.Linear(hidden, experts, bias=False)
+        self.kind, self.bias_update_rate = router, bias_update_rate
+        if router == "sigmoid":
+            self.score_bias = nn.Parameter(torch.zeros(experts), requires_grad=False)
+        self.load: torch.Tensor | None = None
         self.experts = Experts(experts, hidden, ffn_hidden)
         self.top_k = top_k
         self.ep = ExpertContext()
@@ -86,8 +97,26 @@ class MoE(nn.Module):
         logits = self.router(tokens)
         if self.force_expert is not None:  # a large margin on one expert: differentiable, and every token goes there
             logits = logits + F.one_hot(torch.full((1,), self.force_expert), logits.shape[-1]).to(logits.dtype) * 8.0
-        probs, weights, chosen = softmax_top_k(logits, self.top_k)
-        if self.training and torch.is_grad_enabled():
-            self.aux_loss = load_balancing_loss(probs, chosen, self.ep.data_context_group)
+        if self.kind == "sigmoid":
+            _, weights, chosen = sigmoid_top_k(logits, self.score_bias, self.top_k)
+            if self.training and torch.is_grad_enabled():
+                counts = torch.bincount(chosen.reshape(-1), minlength=logits.shape[-1]).float()
+                self.load = counts if self.load is None else self.load + counts
+        else:
+            probs, weights, chosen = softmax_top_k(logits, self.top_k)
+            if self.training and torch.is_grad_enabled():
+                self.aux_loss = load_balancing_loss(probs, chosen, self.ep.data_context_group)
         y = dispatch_combine(tokens, chosen, weights.to(tokens.dtype), self.experts, self.ep.expert_group)
         return y.reshape(shape)
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """After an optimizer step: the sigmoid router's bias moved by the step's loads (summed over data x context);
+        nothing for a softmax router or a step without training forwards."""
+        if self.kind != "sigmoid" or self.load is None:
+            return
+        load, self.load = self.load, None
+        group = self.ep.data_context_group
+        if group_size(group) > 1:
+            torch.distributed.all_reduce(load, group=group)
+        self.score_bias.copy_(updated_bias(self.score_bias, load.to(self.score_bias.device), self.bias_update_rate))

@@ -27,6 +27,32 @@ def softmax_top_k(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch
     return probs, top / top.sum(dim=-1, keepdim=True), chosen
 
 
+def sigmoid_top_k(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                  torch.Tensor]:
+    """DeepSeek-V3's router: ``(scores [T, E] fp32, weights [T, k], chosen [T, k])``: sigmoid scores, the experts
+    chosen by score plus ``bias`` (the score-correction bias, which steers the choice only), weighted by their own
+    scores renormalised over the chosen.
+
+    >>> scores, w, chosen = sigmoid_top_k(torch.tensor([[0.0, 1.0, 2.0]]), torch.tensor([5.0, 0.0, 0.0]), 2)
+    >>> chosen.tolist(), [round(v, 4) for v in w[0].tolist()]
+    ([[0, 2]], [0.3621, 0.6379])
+    """
+    scores = torch.sigmoid(logits.float())
+    chosen = (scores + bias.float()).topk(top_k, dim=-1).indices
+    top = scores.gather(-1, chosen)
+    return scores, top / top.sum(dim=-1, keepdim=True), chosen
+
+
+def updated_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
+    """DeepSeek-V3's auxiliary-loss-free balancing: ``b_e + rate x sign(mean load - load_e)`` (an expert that got
+    fewer than the mean of the step's token choices is raised, one that got more is lowered; not a gradient).
+
+    >>> updated_bias(torch.zeros(3), torch.tensor([5.0, 1.0, 3.0]), 0.1).tolist()
+    [-0.10000000149011612, 0.10000000149011612, 0.0]
+    """
+    return bias + rate * torch.sign(load.mean() - load)
+
+
 def load_balancing_loss(probs: torch.Tensor, chosen: torch.Tensor, group=None) -> torch.Tensor:
     """``E * sum_e f_e * P_e`` over the tokens of every rank of ``group`` (the data x context group).
 

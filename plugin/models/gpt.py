@@ -150,7 +150,8 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.ln2 = nn.LayerNorm(config.hidden, eps=config.norm_eps, bias=config.bias)
         if config.is_moe_block(index):
-            self.moe = MoE(config.hidden, config.moe_experts, config.moe_top_k, config.moe_ffn_hidden_resolved)
+            self.moe = MoE(config.hidden, config.moe_experts, config.moe_top_k, config.moe_ffn_hidden_resolved,
+                           router=config.moe_router, bias_update_rate=config.moe_bias_update_rate)
         else:
             self.mlp = MLP(config)
         self.dropout = config.dropout
@@ -236,7 +237,7 @@ class GPT(nn.Module):
         std = self.config.init_std
         for pname, p in module.named_parameters(recurse=False):
             full = f"{name}.{pname}" if name else pname
-            if pname == "bias":
+            if pname in ("bias", "score_bias"):
                 nn.init.zeros_(p)
             elif ".ln" in full or full.startswith("norm"):
                 nn.init.ones_(p)

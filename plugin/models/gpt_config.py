@@ -34,6 +34,8 @@ class GPTConfig:
     moe_every: int = 1
     moe_ffn_hidden: int | None = None
     moe_aux_loss_coef: float = 0.01
+    moe_router: str = "softmax"
+    moe_bias_update_rate: float = 0.001
 
     def __post_init__(self) -> None:
         problems = []
@@ -93,7 +95,8 @@ class GPTConfig:
         moe = getattr(model, "moe", None)
         if moe is not None:
             values.update(moe_experts=moe.experts, moe_top_k=moe.top_k, moe_every=moe.every,
-                          moe_ffn_hidden=moe.ffn_hidden, moe_aux_loss_coef=moe.aux_loss_coef)
+                          moe_ffn_hidden=moe.ffn_hidden, moe_aux_loss_coef=moe.aux_loss_coef,
+                          moe_router=moe.router, moe_bias_update_rate=moe.bias_update_rate)
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
             raise GPTConfigError(f"GPTConfig has no field(s) {sorted(unknown)}")

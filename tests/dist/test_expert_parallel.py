@@ -41,6 +41,9 @@ LAYOUTS = {  # name -> (parallelism, moe overrides, forced expert, rtol)
     "expert2_context2": ({"data": 2, "context": 2, "expert": 2}, {}, None, 1e-5),
     "expert4_all_to_expert0": ({"data": 4, "expert": 4}, {"top_k": 1}, 0, 1e-5),
     "expert2_tensor2_meta": ({"data": 2, "tensor": 2, "expert": 2}, {}, None, 1e-4),  # built on meta, cut there
+    # DeepSeek-V3's router: sigmoid scores, the choice steered by a bias that moves after every step (its final value
+    # is compared with the parameters: the loads summed over data x context, as one process counts them)
+    "expert2_sigmoid_bias": ({"data": 4, "expert": 2}, {"router": "sigmoid", "bias_update_rate": 0.05}, None, 1e-5),
 }
 REFUSED = {  # before any group, on every rank: what the axis does not reach yet
     "zero1": ({"data": 4, "expert": 2}, {"zero": {"stage": 1}}, "$.zero.stage"),
@@ -94,14 +97,16 @@ def _reference(recipe, forced, steps=STEPS):
         x, y = data.global_batch(step, lay.global_batch)
         total = 0.0
         for xs, ys in zip(_micro_steps(x, lay), _micro_steps(y, lay), strict=True):
-            loss = gpt_loss(model(xs), ys) + coef * sum(m.aux_loss for m in moes)
+            loss = gpt_loss(model(xs), ys) + coef * sum(m.aux_loss for m in moes if m.aux_loss is not None)
             (loss / lay.grad_accum).backward()
             total += float(loss.detach()) / lay.grad_accum
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.gradient_clipping)))
         if grads is None:
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
         opt.zero_grad()
+        for m in moes:
+            m.update_bias()
         losses.append(total)
     return losses, norms, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -223,5 +228,7 @@ def test_expert_layouts_train_one_process_losses_gradients_and_weights(tmp_path)
         assert all(r[name]["compared"] > 10 for r in results)
     assert results[0]["expert4"]["experts"] == [(0, 1)] and results[3]["expert4"]["experts"] == [(3, 1)]
     assert results[1]["expert2_edp2"]["ranks"] == ((0, 1), (1, 3))
+    moved = references["expert2_sigmoid_bias"][3]["blocks.1.moe.score_bias"]
+    assert moved.abs().min() > 0, f"the sigmoid router's bias must have moved: {moved}"
     print(f"expert 2 -> 1 -> 4 through checkpoints: (loss, norm) per step {results[0]['checkpoints']} (reference "
           f"{list(zip(references['chain'][0], references['chain'][1], strict=True))})")

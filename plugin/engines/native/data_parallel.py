@@ -40,7 +40,7 @@ import torch
 
 from ...checkpoint.boxes import TensorLayout, tp_segments
 from ...context_parallel.apply import apply_context_parallel
-from ...expert_parallel import apply_expert_parallel, moe_layers
+from ...expert_parallel import apply_expert_parallel, moe_layers, update_router_biases
 from ...materialize.sinks import FSDP2Sink
 from ..context import BuildContext
 from . import state
@@ -91,6 +91,7 @@ class DataParallelEngine(NativeEngine):
         self.reduce_expert_grads()
         self.rows_checked()  # the data contract's verdict: the step has waited for its gradients, nothing updated yet
         self.optimizer_step()
+        update_router_biases(self.container)  # DeepSeek's sigmoid routers: their biases follow the step's loads
         if self.shards is not None:
             self.shards.gather()
         return mean_loss()
