@@ -160,10 +160,12 @@ def _expert_parallel(model, recipe: Recipe, layout, backend: str, env, loss_for)
     from ..expert_parallel.checks import check_expert_reach
 
     layers = moe_layers(model)
-    problems = check_expert_reach(recipe, layout, backend, len(layers))
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None) if not hasattr(model, "to_layers") else None
+    problems = check_expert_reach(recipe, layout, backend, len(layers), family,
+                                  bool(getattr(config, "base_model_ep_plan", None)))
     if problems:
         _fail([p.with_file(recipe.source) for p in problems], env)
-    config = getattr(model, "config", None)
     return with_aux_losses(loss_for, model, float(getattr(config, "moe_aux_loss_coef", 0.0)))
 
 

@@ -7,15 +7,20 @@ from __future__ import annotations
 from ..errors import Problem
 
 
-def check_expert_reach(recipe, layout, backend: str, moe_layers: int) -> list[Problem]:
+def check_expert_reach(recipe, layout, backend: str, moe_layers: int, family: str | None = None,
+                       ep_plan: bool = False) -> list[Problem]:
     """Problems (JSON path, what, fix) for ``recipe`` at ``layout`` on ``backend``, the model holding ``moe_layers``
-    plugin MoE layers."""
+    plugin MoE layers; ``family``: a transformers model's ``model_type`` (``ep_plan``: whether its config declares a
+    ``base_model_ep_plan``), named in the refusal."""
     e, out = layout.expert, []
     if e > 1 and moe_layers == 0:
-        out.append(Problem("$.parallelism.expert", f"expert {e}: the model has no MoE layer the plugin can place "
-                           "(the reference GPT's model.moe; transformers MoE families are not placed over an expert "
-                           "axis yet)", 'set "expert": 1 (experts under tensor parallelism and ZeRO), or use the '
-                           'reference GPT with "model": {"moe": {...}}'))
+        what = "the model has no MoE layer the plugin can place (the reference GPT's model.moe)"
+        if family:
+            what = (f"the transformers family {family!r} " + ("declares a base_model_ep_plan, which the plugin does "
+                    "not read yet" if ep_plan else "declares no base_model_ep_plan") + "; the plugin places only the "
+                    "reference GPT's MoE layers (model.moe)")
+        out.append(Problem("$.parallelism.expert", f"expert {e}: {what}", 'set "expert": 1 (experts under tensor '
+                           'parallelism and ZeRO), or use the reference GPT with "model": {"moe": {...}}'))
     if moe_layers == 0:
         return out
     spread = layout.data * layout.context > 1 or e > 1

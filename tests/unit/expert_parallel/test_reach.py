@@ -16,6 +16,13 @@ def _paths(parallelism, backend="native", layers=1, **blocks):
     return [p.path for p in problems]
 
 
+def test_a_transformers_moe_family_is_refused_by_name():
+    recipe = Recipe.from_dict({"name": "t", "batch": {"global": 16, "micro": 1}, "parallelism": {"data": 4,
+                                                                                                "expert": 2}})
+    (problem,) = check_expert_reach(recipe, recipe.layout(), "native", 0, "mixtral", True)
+    assert "'mixtral' declares a base_model_ep_plan, which the plugin does not read yet" in problem.message
+
+
 def test_what_is_reached_passes():
     assert _paths({"data": 4, "expert": 4}) == []
     assert _paths({"data": 2, "tensor": 2, "context": 2, "expert": 2}) == []
