@@ -107,8 +107,10 @@ def wrap_ddp(module: torch.nn.Module, groups, device: torch.device):
 
 def routed(module: torch.nn.Module) -> bool:
     """Whether ``module`` holds a mixture-of-experts block (a submodule class named ``*Expert*`` or ``*MoE*``, as
-    transformers' are), whose parameters a step may leave without a gradient on one rank."""
-    return any("expert" in type(m).__name__.lower() or "moe" in type(m).__name__.lower() for m in module.modules())
+    transformers' are), whose parameters a step may leave without a gradient on one rank. The plugin's own
+    (:mod:`plugin.expert_parallel`) are not: every local expert runs every step, on zero rows if need be."""
+    return any(("expert" in type(m).__name__.lower() or "moe" in type(m).__name__.lower())
+               and not type(m).__module__.startswith("plugin.expert_parallel") for m in module.modules())
 
 
 class NativeEngine(Engine):
