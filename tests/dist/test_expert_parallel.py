@@ -7,7 +7,9 @@ over the expert group, is compared):
 * ``expert 4`` over data 4 (one expert per rank, no expert-data reduction), ``expert 2`` over data 4 (expert-data
   groups of 2), ``expert 2 x tensor 2`` (each expert's columns and rows over the tensor group), ``expert 2`` over data
   2 x context 2 (E carved out of data x context), and ``expert 4`` with a routing forced unbalanced (top-1, every
-  token of every rank to expert 0, the other experts get no row: dropless shown);
+  token of every rank to expert 0, the other experts get no row: dropless shown), expert 2 x tensor 2 built on meta,
+  DeepSeek's sigmoid router with its bias moving, and without an expert axis the experts split over tensor 2 and the
+  MoE model under ZeRO-3 (FSDP2);
 * each against one process on the whole global batch, its micro-batch ``i`` the union of the data ranks' ``i``-th
   micro-batches (the load-balancing loss is computed over those tokens, :mod:`plugin.expert_parallel.router`): the
   losses, the gradient norms, every gradient of the first step (after clipping) and every parameter after the last
@@ -44,6 +46,10 @@ LAYOUTS = {  # name -> (parallelism, moe overrides, forced expert, rtol)
     # DeepSeek-V3's router: sigmoid scores, the choice steered by a bias that moves after every step (its final value
     # is compared with the parameters: the loads summed over data x context, as one process counts them)
     "expert2_sigmoid_bias": ({"data": 4, "expert": 2}, {"router": "sigmoid", "bias_update_rate": 0.05}, None, 1e-5),
+    # no expert axis: the experts split over the tensor group only, and sharded with the rest by ZeRO
+    "tensor2_split_experts": ({"data": 2, "tensor": 2}, {}, None, 1e-4),
+    "zero3_moe": ({"data": 4, "zero_stage": 3}, {}, None, 1e-5),  # FSDP2
+
 }
 REFUSED = {  # before any group, on every rank: what the axis does not reach yet
     "zero1": ({"data": 4, "expert": 2}, {"zero": {"stage": 1}}, "$.zero.stage"),
@@ -56,6 +62,10 @@ REFUSED = {  # before any group, on every rank: what the axis does not reach yet
 def _recipe(parallelism: dict, moe: dict, blocks: dict | None = None):
     from plugin.recipe.spec import Recipe
 
+    parallelism = dict(parallelism)
+    zero = parallelism.pop("zero_stage", None)
+    if zero is not None:
+        blocks = {**(blocks or {}), "zero": {"stage": zero}}
     return Recipe.from_dict({
         "name": "moe", "batch": {"global": 16, "micro": 2}, "launcher": "torchrun",
         "parallelism": {"tensor": 1, "pipeline": 1, **parallelism}, "optimizer": SGD, "gradient_clipping": CLIP,
@@ -161,6 +171,7 @@ def _layouts(rank, world, path, directory):
                                  ("parameter", {n: p.detach() for n, p in module.named_parameters()}, ref_params)):
             assert mine.keys() == ref.keys(), (name, label, sorted(set(mine) ^ set(ref)))
             for n, t in mine.items():
+                t = t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2's DTensors: gathered, every rank
                 piece = _piece(n, ref[n], module, engine)
                 if piece is not None:
                     torch.testing.assert_close(t, piece, **tol,
