@@ -112,8 +112,9 @@ def local_state(engine, *, for_load: bool, manifest: dict | None = None) -> Loca
     params = engine.named_local_params()
     for name, p in params.items():
         shape, dtype = index[name]
-        pieces = custom(name, p, shape, None) if custom else \
-            pieces_of(p, shape, layouts.get(name, TensorLayout()), tp_rank, tp_size)
+        boxed = getattr(p, "global_offsets", None)  # one box of the global tensor (an expert rank's experts)
+        pieces = [Piece(tuple(boxed), p.detach())] if boxed is not None else custom(name, p, shape, None) if custom \
+            else pieces_of(p, shape, layouts.get(name, TensorLayout()), tp_rank, tp_size)
         entries[name] = Entry(shape, dtype if custom is None else torch.float32, pieces)
     # a checkpoint saved before the optimizer ever stepped (fp16 whose first steps all overflowed) holds no states:
     # the loading optimizer then starts fresh too, rather than keep its own or a materialised step count
@@ -143,8 +144,9 @@ def local_state(engine, *, for_load: bool, manifest: dict | None = None) -> Loca
                         local = v.to_local() if _is_dtensor(v) else v
                         entries[full] = Entry((), v.dtype, [Piece((), local)], "optim", name, key)
                     else:
-                        pieces = custom(name, v, shape, key) if custom else \
-                            pieces_of(v, shape, layouts.get(name, TensorLayout()), tp_rank, tp_size)
+                        boxed = getattr(p, "global_offsets", None)
+                        pieces = [Piece(tuple(boxed), v)] if boxed is not None else custom(name, v, shape, key) \
+                            if custom else pieces_of(v, shape, layouts.get(name, TensorLayout()), tp_rank, tp_size)
                         entries[full] = Entry(shape, v.dtype, pieces, "optim", name, key)
     extra = None if fresh else getattr(engine, "checkpoint_extra", None)
     if extra is not None:

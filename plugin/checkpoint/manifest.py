@@ -71,8 +71,12 @@ def recipe_problems(manifest: dict, recipe, global_batch: int | None = None) -> 
     saved = (manifest.get("recipe") or {}).get("model") or {}
     model = recipe.model
     if model is not None and saved:
+        import dataclasses
+
         for key, was in sorted(saved.items()):
             now = getattr(model, key, None)
+            if dataclasses.is_dataclass(now):  # a nested block (model.moe), saved as its dict
+                now = dataclasses.asdict(now)
             if now is not None and now != was and key != "dropout":
                 problems.append(Problem(f"$.model.{key}", f"checkpoint {was}, recipe {now}",
                                         f'set "{key}": {json.dumps(was)} or load a checkpoint of this model'))

@@ -50,13 +50,16 @@ def run(args) -> int:
 def _print(est) -> None:
     s, spec = est.setup, est.spec
     print(f"{est.name}: {s.world_size} ranks = tensor {s.tp} x pipeline {s.pp} x data {s.dp}"
-          + (f" x context {s.cp} ({s.cp_method})" if s.cp > 1 else "") + f", ZeRO-{s.zero_stage}, "
+          + (f" x context {s.cp} ({s.cp_method})" if s.cp > 1 else "")
+          + (f" (expert {s.ep} of data x context)" if s.ep > 1 else "") + f", ZeRO-{s.zero_stage}, "
           f"{s.precision}, micro-batch {s.micro_batch} x {s.micro_batches} accumulated "
           f"(global {s.global_batch}), recompute {s.recompute}"
           + (f" (spans of {s.checkpoint_interval})" if s.recompute == "full" else "")
           + (", sequence parallel" if s.sequence_parallel else ""))
     print(f"model: reference GPT, {spec.layers} layers, hidden {spec.hidden}, heads {spec.heads}, ffn {spec.ffn}, "
-          f"vocab {spec.vocab}, seq {spec.seq_len}: {params_text(spec.total_params())} parameters "
+          f"vocab {spec.vocab}, seq {spec.seq_len}"
+          + (f", {spec.moe_experts} experts (top-{spec.moe_top_k}) every {spec.moe_every} block(s)"
+             if spec.moe_experts else "") + f": {params_text(spec.total_params())} parameters "
           f"(GELU MLP, LayerNorm, learned positions, untied output layer; fused attention; "
           f"dropout {'on' if s.dropout else 'off'})")
     total = est.memory.total

@@ -23,6 +23,7 @@ def rank_rows(topology, gpus_per_node=None) -> list[dict]:
     """One row per rank: node, coordinates and peers; with a context axis also its context coordinate, its context
     group (the ring its keys and values go around) and its gradient group (data x context)."""
     context = topology.cp_size > 1
+    expert = topology.ep_size > 1
     rows = []
     for rank in range(topology.world_size):
         c = topology.coord(rank)
@@ -36,6 +37,8 @@ def rank_rows(topology, gpus_per_node=None) -> list[dict]:
             "data_peers": topology.group_of(rank, "data"),
             **({"gradient_peers": topology.group_of(rank, "data_context")} if context else {}),
             "pipeline_peers": topology.group_of(rank, "pipeline"),
+            **({"expert": topology.expert_coord(rank)[1], "expert_peers": topology.group_of(rank, "expert"),
+                "expert_data_peers": topology.group_of(rank, "expert_data")} if expert else {}),
         }
         rows.append(row)
     return rows
@@ -58,6 +61,8 @@ def run(args) -> int:
         "name": recipe.name, "file": recipe.source, "description": recipe.description,
         "layout": layout.words,
         "data": layout.data, "tensor": layout.tensor, "pipeline": layout.pipeline, "context": layout.context,
+        "expert": layout.expert if layout.expert > 1 else None,
+        "expert_tensor": layout.expert_tensor_resolved if layout.expert > 1 else None,
         "world_size": layout.world_size,
         "global_batch": layout.global_batch, "micro_batch": layout.micro_batch, "grad_accum": layout.grad_accum,
         "zero_stage": recipe.zero.stage, "offload_optimizer": recipe.zero.offload_optimizer,
@@ -122,9 +127,13 @@ def _render(resolved: dict, rows: list[dict], gpus_per_node) -> None:
     title = ("rank map: rank = ((pp x data_size + dp) x context_size + cp) x tensor_size + tp (tensor fastest, then "
              "context, then data, then pipeline; gradients reduced over data x context)" if context else
              "rank map: rank = (pp x data_size + dp) x tensor_size + tp (tensor fastest, then data, then pipeline)")
+    expert = "expert" in rows[0]
+    if expert:
+        title += "; experts over the expert peers (all-to-all), their gradients over the expert-data peers"
     table = Table(title=title, title_justify="left")
-    coords = ["pipeline", "data", *(["context"] if context else []), "tensor"]
-    peers = ["tensor", *(["context"] if context else []), "data", *(["gradient"] if context else []), "pipeline"]
+    coords = ["pipeline", "data", *(["context"] if context else []), "tensor", *(["expert"] if expert else [])]
+    peers = ["tensor", *(["context"] if context else []), "data", *(["gradient"] if context else []), "pipeline",
+             *(["expert", "expert_data"] if expert else [])]
     columns = (["node", "local"] if gpus_per_node else []) + ["rank", *coords, *(f"{p} peers" for p in peers)]
     for c in columns:
         table.add_column(c, justify="left" if c.endswith(" peers") else "right")

@@ -7,6 +7,8 @@ The norm is the 2-norm of the whole model's gradient, as one process would compu
   once per tensor group, on tensor rank 0, exactly like DeepSpeed's ``clip_grad_norm_`` with an mpu;
 * every pipeline stage holds different layers, so the sums of squares are added over the pipeline group
   (the model group is tensor x pipeline: one all-reduce covers both);
+* with an expert axis each expert rank holds other experts: their sums of squares are added over the expert group
+  (then over tensor x pipeline with the rest), so that every expert counts once;
 * FSDP2 shards (DTensor gradients) and the native ZeRO-2's row shards (plain tensors, ``data_sharded``) hold a
   piece of each gradient per data rank: their sums of squares are added over the data group first. DDP / ZeRO-1
   gradients are already averaged and whole on every data rank: they are not.
@@ -41,24 +43,35 @@ def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], *, tensor_sharded: set, tp_rank: int,
                      model_group=None, model_size: int = 1, data_group=None, data_sharded: bool = False,
-                     device: torch.device | None = None, skip: frozenset = frozenset()) -> torch.Tensor:
+                     device: torch.device | None = None, skip: frozenset = frozenset(), expert: set = frozenset(),
+                     expert_group=None) -> torch.Tensor:
     """The global 2-norm of the gradients of ``params`` (this rank's parameters), the same on every rank.
 
     ``tensor_sharded``: ids of the parameters sharded by tensor parallelism. ``model_group`` (size
     ``model_size``): tensor x pipeline peers. ``data_group`` with ``data_sharded=True``: the data group over which
     every gradient is split (FSDP2's DTensors, ZeRO-2's row shards; a collective every data rank must join).
     ``skip``: ids of parameters counted on another rank (a weight tied across pipeline stages counts on its first
-    holder only).
+    holder only). ``expert``: ids of the parameters of this rank's experts, which differ across ``expert_group`` (the
+    expert ranks): their sums of squares are added over it first, so that every expert counts once.
     """
-    whole, pieces = [], []
+    whole, pieces, experts = [], [], []
     for p in params:
         # a replicated parameter is the same on every tensor rank: count it once, on tensor rank 0 (as DeepSpeed does)
         if p.grad is None or id(p) in skip or (tp_rank != 0 and id(p) not in tensor_sharded):
             continue
         local, is_piece = _local(p.grad.detach())
+        if id(p) in expert and not (is_piece or data_sharded):
+            experts.append(local)
+            continue
         (pieces if is_piece or data_sharded else whole).append(local)
     device = device or torch.device("cpu")
     total = _sum_of_squares(whole, device)
+    if expert_group is not None:
+        expert_sq = _sum_of_squares(experts, device)
+        dist.all_reduce(expert_sq, group=expert_group)
+        total = total + expert_sq
+    elif experts:
+        total = total + _sum_of_squares(experts, device)
     if data_sharded:
         shard_sq = _sum_of_squares(pieces, device)
         if data_group is not None:

@@ -4,7 +4,8 @@
 this rank's :class:`ParallelGroups`; :func:`build_tie_groups` makes the groups over which the copies of a weight
 tied across pipeline stages sum their gradients (the native back end's; DeepSpeed's PipelineModule builds its own).
 ``new_group`` must be called by every rank for every group in the same order; it is, in the topology's order:
-tensor, data, pipeline, model, then (with a context axis) context and data x context groups. A rank list seen before
+tensor, data, pipeline, model, then (with a context axis) context and data x context groups, then (with an expert
+axis) the expert, expert-data and expert-tensor groups. A rank list seen before
 reuses its group (with no pipeline the model group is the tensor group), and a group of the whole world is the default
 group itself, so no communicator is created twice.
 
@@ -58,12 +59,38 @@ class ParallelGroups:
     context_ranks: tuple[int, ...] = ()
     data_context_group: Any = None
     data_context_ranks: tuple[int, ...] = ()
+    expert_group: Any = None
+    expert_ranks: tuple[int, ...] = ()
+    expert_data_group: Any = None
+    expert_data_ranks: tuple[int, ...] = ()
+    expert_tensor_group: Any = None
+    expert_tensor_ranks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.context_ranks:  # no context axis: a context of one, gradients over the data group
             object.__setattr__(self, "context_ranks", (self.rank,))
             object.__setattr__(self, "data_context_group", self.data_group)
             object.__setattr__(self, "data_context_ranks", self.data_ranks)
+        if not self.expert_ranks:  # no expert axis: every expert here, their gradients over data x context
+            object.__setattr__(self, "expert_ranks", (self.rank,))
+            object.__setattr__(self, "expert_data_group", self.data_context_group)
+            object.__setattr__(self, "expert_data_ranks", self.data_context_ranks)
+            object.__setattr__(self, "expert_tensor_group", self.tensor_group)
+            object.__setattr__(self, "expert_tensor_ranks", self.tensor_ranks)
+
+    @property
+    def ep_size(self) -> int:
+        """Ranks the experts of a layer are placed over (1: every expert on every rank)."""
+        return len(self.expert_ranks)
+
+    @property
+    def ep_rank(self) -> int:
+        return self.expert_ranks.index(self.rank)
+
+    @property
+    def edp_size(self) -> int:
+        """Ranks holding the same experts, over which their gradients are reduced."""
+        return len(self.expert_data_ranks)
 
     # -- coordinates
     @property
@@ -279,11 +306,16 @@ def build_groups(topology: Topology, backend: str | None = None, timeout: timede
     data = group_for(topology.data_groups())
     pipeline = group_for(topology.pipeline_groups())
     model = group_for(topology.model_groups())
-    if topology.cp_size == 1:
-        return ParallelGroups(topology, rank, *tensor, *data, *pipeline, *model)
-    context = group_for(topology.context_groups())
-    data_context = group_for(topology.data_context_groups())
-    return ParallelGroups(topology, rank, *tensor, *data, *pipeline, *model, *context, *data_context)
+    more = {}
+    if topology.cp_size > 1:
+        more.update(zip(("context_group", "context_ranks"), group_for(topology.context_groups()), strict=True))
+        more.update(zip(("data_context_group", "data_context_ranks"), group_for(topology.data_context_groups()),
+                        strict=True))
+    if topology.ep_size > 1:  # carved out of data x context: the expert, expert-data and expert-tensor groups
+        for axis in ("expert", "expert_data", "expert_tensor"):
+            more.update(zip((f"{axis}_group", f"{axis}_ranks"), group_for(getattr(topology, f"{axis}_groups")()),
+                            strict=True))
+    return ParallelGroups(topology, rank, *tensor, *data, *pipeline, *model, **more)
 
 
 def build_tie_groups(topology: Topology, pipeline_ranks: list[tuple[int, ...]], backend: str | None = None,

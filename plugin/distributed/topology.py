@@ -29,6 +29,20 @@ Coord(pp=0, dp=1, tp=0, cp=1)
 >>> t.data_context_groups()
 [[0, 2, 4, 6], [1, 3, 5, 7]]
 
+An expert axis (``ep_size`` E) is carved out of the ranks of one pipeline stage, as Megatron-LM's expert
+``RankGenerator`` (order ``tp-ep-dp-pp`` with the expert tensor degree) and torchtitan (EP borrowed from data x context)
+do, so the world is unchanged: inside a stage, a rank's place is ``(edp * E + ep) * etp + etp_rank``, ``etp``
+the tensor ranks each expert is split over (``etp_size``: the tensor degree by default, 1 for whole experts). With
+``etp`` equal to the tensor degree, expert peers are consecutive data x context coordinates; the expert-data group
+(the ranks holding the same experts, over which their gradients are reduced) is data x context / E. On data 4 x
+tensor 2 with E 2:
+
+>>> t = Topology(dp_size=4, tp_size=2, ep_size=2)
+>>> t.expert_groups()
+[[0, 2], [1, 3], [4, 6], [5, 7]]
+>>> t.expert_data_groups()
+[[0, 4], [1, 5], [2, 6], [3, 7]]
+
 Nothing here touches torch.distributed: :mod:`plugin.distributed.groups` turns these rank lists into process
 groups. The examples are doctests (tests/unit/test_doctests.py runs them).
 """
@@ -50,18 +64,27 @@ class Coord(NamedTuple):
 
 @dataclass(frozen=True)
 class Topology:
-    """The (pipeline, data, context, tensor) grid of a job. ``world_size = pp_size * dp_size * cp_size * tp_size``."""
+    """The (pipeline, data, context, tensor) grid of a job. ``world_size = pp_size * dp_size * cp_size * tp_size``.
+    ``ep_size`` experts' ranks are carved out of each stage's ranks, each expert split over ``etp_size`` tensor ranks
+    (``None``: ``tp_size``); ``ep_size x etp_size`` must divide ``dp_size x cp_size x tp_size``."""
 
     pp_size: int = 1
     dp_size: int = 1
     tp_size: int = 1
     cp_size: int = 1
+    ep_size: int = 1
+    etp_size: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("pp_size", "dp_size", "tp_size", "cp_size"):
+        if self.etp_size is None:
+            object.__setattr__(self, "etp_size", self.tp_size)
+        for name in ("pp_size", "dp_size", "tp_size", "cp_size", "ep_size", "etp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Topology.{name} must be an int >= 1, got {value!r}")
+        if self.stage_size % (self.ep_size * self.etp_size):
+            raise ValueError(f"expert {self.ep_size} x expert tensor {self.etp_size} does not divide the "
+                             f"{self.stage_size} ranks of a pipeline stage (data x context x tensor)")
 
     @classmethod
     def from_recipe(cls, recipe, world_size: int | None = None) -> Topology:
@@ -71,11 +94,22 @@ class Topology:
     @classmethod
     def from_layout(cls, layout) -> Topology:
         """The grid of a resolved :class:`plugin.recipe.layout.Layout`."""
-        return cls(pp_size=layout.pipeline, dp_size=layout.data, tp_size=layout.tensor, cp_size=layout.context)
+        return cls(pp_size=layout.pipeline, dp_size=layout.data, tp_size=layout.tensor, cp_size=layout.context,
+                   ep_size=getattr(layout, "expert", 1), etp_size=getattr(layout, "expert_tensor", None))
 
     @property
     def world_size(self) -> int:
         return self.pp_size * self.dp_size * self.cp_size * self.tp_size
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage: data x context x tensor."""
+        return self.dp_size * self.cp_size * self.tp_size
+
+    @property
+    def edp_size(self) -> int:
+        """The expert-data degree: ranks holding the same experts (the same expert-tensor slice), stage / (E x etp)."""
+        return self.stage_size // (self.ep_size * self.etp_size)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -194,7 +228,72 @@ class Topology:
         """
         return self._lists("pct")
 
-    AXES = ("tensor", "context", "data", "data_context", "pipeline", "model", "replica")
+    # -- the expert axis (carved out of a stage's ranks, Megatron's expert RankGenerator)
+    def expert_coord(self, rank: int) -> tuple[int, int, int]:
+        """(expert-data rank, expert rank, expert-tensor rank) of ``rank`` inside its stage.
+
+        >>> Topology(dp_size=4, tp_size=2, ep_size=2).expert_coord(6)
+        (1, 1, 0)
+        >>> Topology(dp_size=4, tp_size=2, ep_size=4, etp_size=1).expert_coord(6)
+        (1, 2, 0)
+        """
+        self._check_rank(rank)
+        local = rank % self.stage_size
+        etp = local % self.etp_size
+        ep = (local // self.etp_size) % self.ep_size
+        return local // (self.etp_size * self.ep_size), ep, etp
+
+    def _expert_lists(self, axis: str) -> list[list[int]]:
+        """Rank lists varying only the expert coordinate ``axis`` ("ep", "edp" or "etp"), in rank order of their first
+        rank."""
+        sizes = {"edp": self.edp_size, "ep": self.ep_size, "etp": self.etp_size}
+        others = [a for a in ("edp", "ep", "etp") if a != axis]
+        out = []
+        for pp in range(self.pp_size):
+            for a in range(sizes[others[0]]):
+                for b in range(sizes[others[1]]):
+                    c = {others[0]: a, others[1]: b}
+                    out.append([pp * self.stage_size + ((c.get("edp", i if axis == "edp" else 0) * self.ep_size
+                                                         + c.get("ep", i if axis == "ep" else 0)) * self.etp_size
+                                                        + c.get("etp", i if axis == "etp" else 0))
+                                for i in range(sizes[axis])])
+        return sorted(out)
+
+    def expert_groups(self) -> list[list[int]]:
+        """Ranks holding different experts of the same layers, between which tokens are sent (all-to-all): E of them,
+        ``etp_size`` apart (the tensor degree by default: consecutive data x context coordinates).
+
+        >>> Topology(dp_size=2, cp_size=2, tp_size=2, ep_size=2).expert_groups()
+        [[0, 2], [1, 3], [4, 6], [5, 7]]
+        >>> Topology(dp_size=4, tp_size=2, ep_size=4, etp_size=1).expert_groups()
+        [[0, 1, 2, 3], [4, 5, 6, 7]]
+        """
+        return self._expert_lists("ep")
+
+    def expert_data_groups(self) -> list[list[int]]:
+        """Ranks holding the same experts (and expert-tensor slice): the experts' gradients are reduced over them;
+        data x context / E of them with the default expert tensor degree.
+
+        >>> Topology(pp_size=2, dp_size=4, ep_size=2).expert_data_groups()
+        [[0, 2], [1, 3], [4, 6], [5, 7]]
+        >>> Topology(dp_size=4, ep_size=4).expert_data_groups()
+        [[0], [1], [2], [3]]
+        """
+        return self._expert_lists("edp")
+
+    def expert_tensor_groups(self) -> list[list[int]]:
+        """Ranks splitting the same experts by columns and rows: the tensor groups by default, single ranks for whole
+        experts.
+
+        >>> Topology(dp_size=2, tp_size=2, ep_size=2).expert_tensor_groups()
+        [[0, 1], [2, 3]]
+        >>> Topology(dp_size=2, tp_size=2, ep_size=2, etp_size=1).expert_tensor_groups()
+        [[0], [1], [2], [3]]
+        """
+        return self._expert_lists("etp")
+
+    AXES = ("tensor", "context", "data", "data_context", "pipeline", "model", "replica", "expert", "expert_data",
+            "expert_tensor")
 
     def group_of(self, rank: int, axis: str) -> list[int]:
         """The ``axis`` group (one of :attr:`AXES`) that holds ``rank``.

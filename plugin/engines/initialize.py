@@ -155,6 +155,22 @@ def _check_context_parallel(model, recipe: Recipe, backend: str, env) -> None:
         _fail([p.with_file(recipe.source) for p in problems], env)
 
 
+def _expert_parallel(model, recipe: Recipe, layout, backend: str, env, loss_for):
+    """Before any group: what the expert axis does not reach on this back end is refused
+    (:func:`plugin.expert_parallel.checks.check_expert_reach`); the loss gains the MoE layers' load-balancing terms."""
+    from ..expert_parallel import moe_layers, with_aux_losses
+    from ..expert_parallel.checks import check_expert_reach
+
+    layers = moe_layers(model)
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None) if not hasattr(model, "to_layers") else None
+    problems = check_expert_reach(recipe, layout, backend, len(layers), family,
+                                  bool(getattr(config, "base_model_ep_plan", None)))
+    if problems:
+        _fail([p.with_file(recipe.source) for p in problems], env)
+    return with_aux_losses(loss_for, model, float(getattr(config, "moe_aux_loss_coef", 0.0)))
+
+
 def _fail(problems: list[Problem], env) -> None:
     """Every rank reached these problems: rank 0 prints them, the others give it time to (a launcher stops every rank
     once one has exited), then every rank raises."""
@@ -229,6 +245,7 @@ def initialize(model, recipe: Recipe | str | Path, *, seed: int | None = None, l
     from ..tensor_parallel.hooks import tensor_parallel_hooks  # imports torch: not before the checks have passed
 
     apply_tp, loss_for = tensor_parallel_hooks(model, recipe, loss_fn)
+    loss_for = _expert_parallel(model, recipe, layout, backend, env, loss_for)
     from .recompute import apply_activation_checkpointing
 
     apply_activation_checkpointing(model, recipe, layers_of)  # the recipe's recompute, the same for every back end

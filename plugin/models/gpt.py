@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..context_parallel import context_attention
+from ..expert_parallel.layer import MoE
 from ..materialize.run import init_in_place
 from ..tensor_parallel.comm import allreduce_grads_in_backward, gather_from_sequence_region, scatter_to_sequence_region
 from ..tensor_parallel.cross_entropy import token_cross_entropy
@@ -139,14 +140,20 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``, with dropout on each residual branch."""
+    """``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``, with dropout on each residual branch; a MoE block
+    (``config.is_moe_block``) has ``moe`` (router and experts, :class:`plugin.expert_parallel.layer.MoE`) in place of
+    ``mlp``."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, index: int = 0):
         super().__init__()
         self.ln1 = nn.LayerNorm(config.hidden, eps=config.norm_eps, bias=config.bias)
         self.attn = Attention(config)
         self.ln2 = nn.LayerNorm(config.hidden, eps=config.norm_eps, bias=config.bias)
-        self.mlp = MLP(config)
+        if config.is_moe_block(index):
+            self.moe = MoE(config.hidden, config.moe_experts, config.moe_top_k, config.moe_ffn_hidden_resolved,
+                           router=config.moe_router, bias_update_rate=config.moe_bias_update_rate)
+        else:
+            self.mlp = MLP(config)
         self.dropout = config.dropout
         self.tp = None
 
@@ -166,7 +173,7 @@ class Block(nn.Module):
         ln = [self.ln1.weight, self.ln1.bias, self.ln2.weight, self.ln2.bias]
         if not _sequence_parallel(self.tp):
             return ln + [None, None]
-        tensors = ln + [self.attn.proj.bias, self.mlp.proj.bias]
+        tensors = ln + [self.attn.proj.bias, self.mlp.proj.bias if hasattr(self, "mlp") else None]
         present = [t for t in tensors if t is not None]
         synced = iter(allreduce_grads_in_backward(present, self.tp.group))
         return [None if t is None else next(synced) for t in tensors]
@@ -177,7 +184,8 @@ class Block(nn.Module):
         h = F.layer_norm(x, self.ln1.normalized_shape, ln1_w, ln1_b, self.ln1.eps)
         x = x + _dropout(self.attn(h, out_bias=attn_b), self.dropout, self.training, rng)
         h = F.layer_norm(x, self.ln2.normalized_shape, ln2_w, ln2_b, self.ln2.eps)
-        return x + _dropout(self.mlp(h, out_bias=mlp_b), self.dropout, self.training, rng)
+        ffn = self.mlp if hasattr(self, "mlp") else self.moe
+        return x + _dropout(ffn(h, out_bias=mlp_b), self.dropout, self.training, rng)
 
 
 class HeadLayer(nn.Module):
@@ -208,7 +216,7 @@ class GPT(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab, config.hidden)
         self.pos_embed = nn.Embedding(config.seq_len, config.hidden)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.layers))
         self.norm = nn.LayerNorm(config.hidden, eps=config.norm_eps, bias=config.bias)
         self.head = nn.Linear(config.hidden, config.vocab, bias=False)
         if config.tie_embeddings:
@@ -229,11 +237,11 @@ class GPT(nn.Module):
         std = self.config.init_std
         for pname, p in module.named_parameters(recurse=False):
             full = f"{name}.{pname}" if name else pname
-            if pname == "bias":
+            if pname in ("bias", "score_bias"):
                 nn.init.zeros_(p)
             elif ".ln" in full or full.startswith("norm"):
                 nn.init.ones_(p)
-            elif full.endswith(("attn.proj.weight", "mlp.proj.weight")):
+            elif full.endswith(("attn.proj.weight", "mlp.proj.weight", "moe.experts.w2")):
                 nn.init.normal_(p, 0.0, std / (2 * self.config.layers) ** 0.5)
             else:
                 nn.init.normal_(p, 0.0, std)
@@ -270,8 +278,12 @@ class GPT(nn.Module):
     vocab_parallel_logits = True
 
     def tensor_parallel_plan(self) -> dict[str, str]:
-        return {"embed": "vocab", "blocks.*.attn.qkv": "column", "blocks.*.attn.proj": "row",
-                "blocks.*.mlp.fc": "column", "blocks.*.mlp.proj": "row", "head": "vocab"}
+        """The MLPs split column then row (a MoE block's experts are split by
+        :func:`plugin.expert_parallel.apply.apply_expert_parallel`, its router left whole)."""
+        mlp = {"blocks.*.mlp.fc": "column", "blocks.*.mlp.proj": "row"} \
+            if any(hasattr(b, "mlp") for b in self.blocks) else {}
+        return {"embed": "vocab", "blocks.*.attn.qkv": "column", "blocks.*.attn.proj": "row", **mlp,
+                "head": "vocab"}
 
     def check_tensor_parallel(self, styles: Mapping[str, object], tp_size: int, sequence_parallel: bool) -> list[str]:
         from .gpt_checks import check_gpt_plan

@@ -28,6 +28,14 @@ class GPTConfig:
     bias: bool = True
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # a mixture-of-experts feed-forward (plugin.expert_parallel) in every moe_every-th block; 0 experts: dense
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_every: int = 1
+    moe_ffn_hidden: int | None = None
+    moe_aux_loss_coef: float = 0.01
+    moe_router: str = "softmax"
+    moe_bias_update_rate: float = 0.001
 
     def __post_init__(self) -> None:
         problems = []
@@ -55,6 +63,19 @@ class GPTConfig:
     def ffn_hidden_resolved(self) -> int:
         return self.ffn_hidden if self.ffn_hidden is not None else 4 * self.hidden
 
+    def is_moe_block(self, index: int) -> bool:
+        """Whether block ``index`` holds a MoE feed-forward: blocks ``every - 1``, ``2 every - 1``, ...
+
+        >>> [GPTConfig(vocab=8, hidden=8, layers=4, heads=2, seq_len=8, moe_experts=4, moe_every=2).is_moe_block(i)
+        ...  for i in range(4)]
+        [False, True, False, True]
+        """
+        return self.moe_experts > 0 and (index + 1) % self.moe_every == 0
+
+    @property
+    def moe_ffn_hidden_resolved(self) -> int:
+        return self.moe_ffn_hidden if self.moe_ffn_hidden is not None else self.ffn_hidden_resolved
+
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
@@ -71,6 +92,11 @@ class GPTConfig:
         values = dict(vocab=model.vocab, hidden=model.hidden, layers=model.layers, heads=model.heads,
                       seq_len=model.seq_len, kv_heads=model.kv_heads_resolved,
                       ffn_hidden=model.ffn_hidden_resolved, dropout=model.dropout)
+        moe = getattr(model, "moe", None)
+        if moe is not None:
+            values.update(moe_experts=moe.experts, moe_top_k=moe.top_k, moe_every=moe.every,
+                          moe_ffn_hidden=moe.ffn_hidden, moe_aux_loss_coef=moe.aux_loss_coef,
+                          moe_router=moe.router, moe_bias_update_rate=moe.bias_update_rate)
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
             raise GPTConfigError(f"GPTConfig has no field(s) {sorted(unknown)}")

@@ -8,7 +8,9 @@ oranges: shades of one hue, so that t0 is never mistaken for d0). Where an axis'
 ranks (tensor groups; a further axis when every faster one has size 1) each group is outlined by one line around all
 its cells, in red and dashed where it crosses a node boundary (a group over two nodes is one box over two rows).
 Axes are read from the topology generically (:func:`axes_of`): every ``Coord`` field with a ``<field>_size``, ordered
-by its stride in the rank, so an axis added to the topology appears without a change here.
+by its stride in the rank, so an axis added to the topology appears without a change here. The expert axis, carved
+out of data x context rather than a factor of the world, is drawn as one more panel (a rank's expert coordinate, from
+:meth:`~plugin.distributed.topology.Topology.expert_coord`) and named apart in the layout line.
 
 Up to 64 ranks each cell shows its rank and coordinate; up to 1024 the cells shrink (ranks on hover, as SVG titles);
 above 1024, each cell is a block of whole nodes (a block holding several coordinates of an axis is grey there).
@@ -46,14 +48,30 @@ def axes_of(topology) -> list[Axis]:
     >>> [(a.name, a.size, a.stride) for a in axes_of(Topology(pp_size=2, dp_size=4, tp_size=2))]
     [('tensor', 2, 1), ('data', 4, 2), ('pipeline', 2, 8)]
     """
-    fields = type(topology.coord(0))._fields
+    fields = _fields(topology)
     out = []
     for f in fields:
         size = getattr(topology, f"{f}_size", 1)
-        stride = next((r for r in range(1, topology.world_size) if getattr(topology.coord(r), f) == 1), 0) \
+        stride = next((r for r in range(1, topology.world_size) if getattr(_coord(topology, r), f) == 1), 0) \
             if size > 1 else 0
         out.append(Axis(f, AXIS_NAMES.get(f, f), size, stride))
     return sorted(out, key=lambda a: (a.stride if a.size > 1 else 1 << 60, fields.index(a.field)))
+
+
+def _fields(topology) -> tuple[str, ...]:
+    """The rank's coordinate fields: ``Coord``'s, then ``ep`` when the topology has an expert axis."""
+    fields = type(topology.coord(0))._fields
+    return fields + ("ep",) if getattr(topology, "ep_size", 1) > 1 else fields
+
+
+def _coord(topology, rank: int):
+    """``topology.coord(rank)``, with its expert coordinate as ``ep`` when the topology has an expert axis."""
+    c = topology.coord(rank)
+    if getattr(topology, "ep_size", 1) == 1:
+        return c
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**c._asdict(), ep=topology.expert_coord(rank)[1])
 
 
 def family_hue(axis: Axis, axes: list[Axis]) -> int:
@@ -172,7 +190,8 @@ def rank_map_svg(topology, *, gpus_per_node: int | None = None, title: str = "")
     head = [title or "rank map",
             f"{_layout_words(axes)} = {world} rank{'s' if world > 1 else ''} on {nodes} node{'s' if nodes > 1 else ''}"
             f" x {per_node} GPU{'s' if per_node > 1 else ''}",
-            "rank order: " + ", then ".join(a.name for a in axes if a.size > 1) + " (fastest first)"
+            "rank order: " + ", then ".join(a.name for a in axes if a.size > 1 and a.name != "expert")
+            + " (fastest first)"
             if world > 1 else "one rank"]
     if assumed:
         head.append("8 GPUs per node assumed: the recipe has no cluster block")
@@ -206,15 +225,17 @@ def _layout_words(axes: list[Axis]) -> str:
     """The layout, slowest axis first as the rank order nests them ("pipeline 2 x data 2 x tensor 2"); axes of size 1
     have no place in that order and follow in brackets ("pipeline 2 x tensor 2 (data 1)"), the three every recipe has
     only: an optional axis (context) at 1 is not named."""
+    carved = [f"expert {a.size} of data x context" for a in axes if a.name == "expert" and a.size > 1]
+    axes = [a for a in axes if a.name != "expert"]
     sized = [f"{a.name} {a.size}" for a in reversed(axes) if a.size > 1]
     ones = [f"{a.name} 1" for a in axes if a.size == 1 and a.name in ("tensor", "data", "pipeline")]
     if not sized:
-        return " x ".join(ones)
-    return " x ".join(sized) + (f" ({', '.join(ones)})" if ones else "")
+        return " x ".join(ones) + (f" ({carved[0]})" if carved else "")
+    return " x ".join(sized) + (f" ({', '.join(ones + carved)})" if ones or carved else "")
 
 
 def _coords(topology, ranks, axis: Axis) -> set[int]:
-    return {getattr(topology.coord(r), axis.field) for r in ranks}
+    return {getattr(_coord(topology, r), axis.field) for r in ranks}
 
 
 def _panel(topology, axis: Axis, axes: list[Axis], grid: _Grid, x0: int, y0: int) -> tuple[list, float]:
@@ -245,7 +266,7 @@ def _panel(topology, axis: Axis, axes: list[Axis], grid: _Grid, x0: int, y0: int
         value = next(iter(values)) if len(values) == 1 else None
         fill = "url(#mixed)" if value is None else colour(value, axis.size, hue)
         text = "#111111" if value is None else ink(value, axis.size)
-        coord = topology.coord(start)
+        coord = _coord(topology, start)
         if grid.block == 1:
             tip = f"rank {start}: " + ", ".join(f"{a.name} {getattr(coord, a.field)}" for a in reversed(axes)
                                                 if a.size > 1)

@@ -19,6 +19,10 @@ h = hidden, a = heads, g = kv_heads, d = h/a, f = ffn_hidden, V = vocab, s = seq
 
 Tensor parallelism splits the matrices, their column biases and the vocabulary; norms, the row-parallel
 biases and the position table stay whole on every tensor rank (Megatron's layout).
+
+A mixture of experts (``moe_experts`` E > 0, the reference GPT's ``model.moe``) replaces the MLP of every
+``moe_every``-th block by a router (hE, whole on every rank) and E experts of 2 h f_e (GELU, no biases), which an
+expert axis of ``ep`` ranks divides by ``ep`` and the expert tensor degree by ``etp`` (:meth:`stage_expert_params`).
 """
 from __future__ import annotations
 
@@ -52,6 +56,10 @@ class ModelSpec:
     positions: str = "learned"
     tied_embeddings: bool = True
     dropout: float = 0.0  # the recipe block's dropout probability; > 0 stores dropout masks
+    moe_experts: int = 0  # a mixture of experts in every moe_every-th block (0: dense)
+    moe_top_k: int = 2
+    moe_every: int = 1
+    moe_ffn_hidden: int | None = None
     name: str = "model"
     source: str = field(default="", compare=False)
 
@@ -89,6 +97,30 @@ class ModelSpec:
     def layer_params(self) -> float:
         return sum(self.layer_params_split())
 
+    # ------------------------------------------------------------ mixture of experts
+    def is_moe_block(self, index: int) -> bool:
+        return self.moe_experts > 0 and (index + 1) % self.moe_every == 0
+
+    def moe_blocks_on_stage(self, stage: int, pp: int) -> int:
+        """MoE blocks among pipeline stage ``stage``'s blocks (the first stages hold one block more)."""
+        first = sum(self.layers_on_stage(s, pp) for s in range(stage))
+        return sum(self.is_moe_block(i) for i in range(first, first + self.layers_on_stage(stage, pp)))
+
+    def mlp_params_split(self) -> tuple[float, float]:
+        """(tensor-sharded, replicated) parameters of one dense MLP, which a MoE block has not."""
+        h, f = self.hidden, self.ffn
+        sharded = (3 if self.mlp == "swiglu" else 2) * h * f + ((2 * f if self.mlp == "swiglu" else f) if self.bias
+                                                              else 0)
+        return sharded, (h if self.bias else 0)
+
+    def expert_params(self) -> float:
+        """One MoE block's experts: E x 2 h f_e (GELU, no biases; SwiGLU 3)."""
+        fe = self.moe_ffn_hidden if self.moe_ffn_hidden is not None else self.ffn
+        return self.moe_experts * (3 if self.mlp == "swiglu" else 2) * self.hidden * fe
+
+    def router_params(self) -> float:
+        return self.hidden * self.moe_experts
+
     def layer_matmul_params(self) -> float:
         """Weights that take part in a matmul (no biases, no norms): the FLOPs count."""
         h, f = self.hidden, self.ffn
@@ -106,8 +138,10 @@ class ModelSpec:
         return 0 if self.tied_embeddings else self.vocab * self.hidden
 
     def total_params(self) -> float:
+        moe = sum(self.is_moe_block(i) for i in range(self.layers))
         return (self.layers * self.layer_params() + self.embedding_params() + self.position_params()
-                + self.norm_params + self.output_params())
+                + self.norm_params + self.output_params()
+                + moe * (self.expert_params() + self.router_params() - sum(self.mlp_params_split())))
 
     def largest_layer_params(self) -> float:
         """The largest single module: a transformer block or the embedding table (ZeRO-3 gathers it whole)."""
@@ -123,7 +157,11 @@ class ModelSpec:
         """The vocabulary padded to a multiple of the tensor size (vocab-parallel embedding)."""
         return -(-self.vocab // tp) * tp
 
-    def stage_params(self, stage: int, pp: int = 1, tp: int = 1) -> float:
+    def stage_expert_params(self, stage: int, pp: int = 1, ep: int = 1, etp: int = 1) -> float:
+        """Expert parameters one rank of ``stage`` holds: its MoE blocks' experts over ``ep`` x ``etp`` ranks."""
+        return self.moe_blocks_on_stage(stage, pp) * self.expert_params() / (ep * etp)
+
+    def stage_params(self, stage: int, pp: int = 1, tp: int = 1, ep: int = 1, etp: int | None = None) -> float:
         """Parameters one rank of pipeline stage ``stage`` holds under tensor parallelism ``tp``.
 
         Stage 0 holds the embedding (and learned positions); the last stage holds the final norm and
@@ -132,6 +170,11 @@ class ModelSpec:
         """
         sharded, replicated = self.layer_params_split()
         n = self.layers_on_stage(stage, pp) * (sharded / tp + replicated)
+        moe = self.moe_blocks_on_stage(stage, pp)
+        if moe:  # MoE blocks: no dense MLP; a whole router; the experts over ep x etp (the tensor degree by default)
+            mlp_sharded, mlp_replicated = self.mlp_params_split()
+            n += moe * (self.router_params() - mlp_sharded / tp - mlp_replicated)
+            n += self.stage_expert_params(stage, pp, ep, tp if etp is None else etp)
         vocab_shard = self.padded_vocab(tp) * self.hidden / tp
         if stage == 0:
             n += vocab_shard + self.position_params()
@@ -146,9 +189,12 @@ class ModelSpec:
     def from_recipe_model(cls, model, name: str = "recipe") -> ModelSpec:
         """The reference GPT of a recipe's ``model`` block (GELU, LayerNorm, biases, learned positions, and an
         output layer of its own: :class:`plugin.models.gpt.GPTConfig` leaves embeddings untied by default)."""
+        moe = getattr(model, "moe", None)
+        experts = {} if moe is None else dict(moe_experts=moe.experts, moe_top_k=moe.top_k, moe_every=moe.every,
+                                              moe_ffn_hidden=moe.ffn_hidden)
         return cls(layers=model.layers, hidden=model.hidden, heads=model.heads, vocab=model.vocab,
                    seq_len=model.seq_len, kv_heads=model.kv_heads, ffn_hidden=model.ffn_hidden,
-                   tied_embeddings=False, dropout=model.dropout, name=name)
+                   tied_embeddings=False, dropout=model.dropout, name=name, **experts)
 
     def with_seq_len(self, seq_len: int) -> ModelSpec:
         return dataclasses.replace(self, seq_len=seq_len)

@@ -39,7 +39,7 @@ def setup_from_recipe(recipe, world_size: int | None = None) -> Setup:
     zero = recipe.zero
     return Setup(
         tp=layout.tensor, pp=layout.pipeline, dp=layout.data, cp=layout.context,
-        cp_method=recipe.context_parallel.method, zero_stage=zero.stage,
+        ep=layout.expert, etp=layout.expert_tensor, cp_method=recipe.context_parallel.method, zero_stage=zero.stage,
         micro_batch=layout.micro_batch, micro_batches=layout.grad_accum,
         recompute=ac.mode, checkpoint_interval=ac.every if ac.mode == "full" else 1,
         sequence_parallel=recipe.tensor_parallel.sequence_parallel and layout.tensor > 1,

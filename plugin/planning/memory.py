@@ -60,9 +60,20 @@ def host_model_states(spec: ModelSpec, setup: Setup, stage: int = 0) -> ModelSta
 
 
 def _all_model_states(spec: ModelSpec, setup: Setup, stage: int) -> ModelStates:
+    """The stage's parameters sharded by ZeRO over data x context; with an expert axis its experts (1/ep of them on
+    each rank) over the expert-data group instead."""
     p, g, k = setup.state_bytes()
-    return model_state_terms(spec.stage_params(stage, setup.pp, setup.tp), dp=setup.replicas,
-                             zero_stage=setup.zero_stage, param_bytes=p, grad_bytes=g, optimizer_bytes=k)
+    etp = setup.tp if setup.etp is None else setup.etp
+    experts = spec.stage_expert_params(stage, setup.pp, setup.ep, etp)
+    dense = model_state_terms(spec.stage_params(stage, setup.pp, setup.tp, setup.ep, etp) - experts,
+                              dp=setup.replicas, zero_stage=setup.zero_stage, param_bytes=p, grad_bytes=g,
+                              optimizer_bytes=k)
+    if not experts:
+        return dense
+    moe = model_state_terms(experts, dp=setup.expert_replicas, zero_stage=setup.zero_stage, param_bytes=p,
+                            grad_bytes=g, optimizer_bytes=k)
+    return ModelStates(parameters=dense.parameters + moe.parameters, gradients=dense.gradients + moe.gradients,
+                       optimizer_states=dense.optimizer_states + moe.optimizer_states)
 
 
 def stage_memory(spec: ModelSpec, setup: Setup, stage: int) -> Breakdown:

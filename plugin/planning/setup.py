@@ -16,6 +16,8 @@ class Setup:
     dp: int = 1
     cp: int = 1  # context parallelism: the sequence split over cp ranks (gradients reduced over dp x cp)
     cp_method: str = "ring"  # "ring" (K/V point-to-point) or "all_to_all" (Ulysses)
+    ep: int = 1  # expert parallelism: each MoE layer's experts over ep ranks carved out of dp x cp
+    etp: int | None = None  # tensor ranks per expert (None: tp)
     zero_stage: int = 0
     micro_batch: int = 1
     micro_batches: int = 1  # per optimizer step on each data-parallel rank (grad_accum)
@@ -41,6 +43,13 @@ class Setup:
     def replicas(self) -> int:
         """Ranks holding the same parameters, over which ZeRO shards and gradients are reduced: data x context."""
         return self.dp * self.cp
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts, over which their ZeRO shards and gradient reductions run: dp x cp x tp /
+        (ep x etp) (data x context / ep with experts split over the tensor group)."""
+        etp = self.tp if self.etp is None else self.etp
+        return max(1, self.dp * self.cp * self.tp // (self.ep * etp))
 
     @property
     def global_batch(self) -> int:

@@ -113,6 +113,11 @@ def group_inside_node(axis: str, setup: Setup, gpus_per_node: int) -> bool:
         return d * c == 1 or _blocks_inside(t * c * d, p, gpus_per_node)
     if axis == "pipeline":
         return p == 1 or t * c * d * p <= gpus_per_node
+    if axis == "expert":  # ep consecutive data x context coordinates of the expert tensor degree's ranks each
+        etp = t if setup.etp is None else setup.etp
+        return setup.ep == 1 or _blocks_inside(etp * setup.ep, t * c * d * p // (etp * setup.ep), gpus_per_node)
+    if axis == "expert_data":  # spread over the stage, as the data groups
+        return d * c == 1 or _blocks_inside(t * c * d, p, gpus_per_node)
     raise ValueError(f"unknown axis {axis!r}")
 
 
@@ -203,8 +208,9 @@ def _stage_time(spec: ModelSpec, setup: Setup, hw: Hardware, gpus_per_node: int,
     if setup.cp_method == "ring":
         cores = 4 if setup.recompute in ("full", "selective") else 3  # forward, backward (2x), the recompute's forward
         context = max(0.0, context - cores * core / rate)
+    expert = comm.get("expert_all_to_all", 0.0) / m  # on the critical path, as Ulysses's all-to-alls
     return {"forward": fwd, "backward": 2 * fwd, "recompute": extra, "tensor": tensor, "context": context,
-            "comm": comm}
+            "expert": expert, "comm": comm}
 
 
 def step_time(spec: ModelSpec, setup: Setup, hw: Hardware = HARDWARE["h100"], gpus_per_node: int = 8) -> StepTime:
@@ -215,7 +221,7 @@ def step_time(spec: ModelSpec, setup: Setup, hw: Hardware = HARDWARE["h100"], gp
 
     def slot(st: int) -> float:
         x = times[st]
-        return x["forward"] + x["backward"] + x["recompute"] + x["tensor"] + x["context"]
+        return x["forward"] + x["backward"] + x["recompute"] + x["tensor"] + x["context"] + x["expert"]
 
     worst = max(stages, key=slot)
     x = times[worst]
@@ -229,6 +235,8 @@ def step_time(spec: ModelSpec, setup: Setup, hw: Hardware = HARDWARE["h100"], gp
     ]
     if setup.cp > 1:
         terms.insert(3, ("context_communication", m * x["context"]))
+    if x["expert"]:
+        terms.insert(3, ("expert_communication", m * x["expert"]))
     comm = x["comm"]
     if p > 1:
         hops = comm.get("pipeline_send_activations", 0.0) or comm.get("pipeline_send_gradients", 0.0)

@@ -23,7 +23,7 @@ class CommTerm:
     """Bytes one rank sends per optimizer step for one purpose, over one group."""
 
     name: str
-    group: str  # "tensor", "data" (data x context with a context axis), "pipeline" or "context"
+    group: str  # "tensor", "data" (data x context with a context axis), "pipeline", "context", "expert", "expert_data"
     bytes: float
     calls: int  # collective or send operations, for the latency term of a time model
 
@@ -53,28 +53,32 @@ def communication_per_rank(spec: ModelSpec, setup: Setup, stage: int = 0) -> lis
       values) C-1 times forward and C-1 times backward, plus the gradient accumulators of both, in fp32, C times;
       Ulysses all-to-alls q, k, v and the output, forward and backward, each sending (C-1)/C of the rank's tensor.
       Full and selective recompute repeat the forward's (selective checkpoints the whole context attention).
+    - expert parallel (``ep`` > 1, :mod:`plugin.expert_parallel`): the data terms above cover the parameters but the
+      experts, whose gradients run over the expert-data group instead (the same formulas with its size); and per MoE
+      block and micro-batch, the dispatch's two all-to-alls (tokens there, outputs back) forward and two backward,
+      each sending (ep-1)/ep of top_k x the rank's tokens x h values (a uniform routing; full recompute repeats the
+      forward two), plus one exchange of counts per forward.
     """
     t, dp, m = setup.tp, setup.replicas, setup.micro_batches
     p_bytes, g_bytes, _ = setup.state_bytes()
-    psi = spec.stage_params(stage, setup.pp, t)
+    etp = t if setup.etp is None else setup.etp
+    experts = spec.stage_expert_params(stage, setup.pp, setup.ep, etp)
+    psi = spec.stage_params(stage, setup.pp, t, setup.ep, etp) - experts
     w = setup.bytes_per_value
     # A context rank holds seq_len / cp tokens of each row: its tensor all-reduces and pipeline sends carry only those.
     sbh = spec.seq_len // setup.cp * setup.micro_batch * spec.hidden
     out: list[CommTerm] = []
-    if dp > 1:
-        r = ring_factor(dp)
-        if setup.zero_stage == 0:
-            out.append(CommTerm("gradient_allreduce", "data", 2 * r * psi * g_bytes, 1))
-        elif setup.zero_stage == 1:
-            out.append(CommTerm("gradient_reduce_scatter", "data", r * psi * g_bytes, 1))
-            out.append(CommTerm("parameter_allgather", "data", r * psi * p_bytes, 1))
-        elif setup.zero_stage == 2:
-            out.append(CommTerm("gradient_reduce_scatter", "data", m * r * psi * g_bytes, m))
-            out.append(CommTerm("parameter_allgather", "data", r * psi * p_bytes, 1))
-        else:
-            out.append(CommTerm("zero3_parameter_allgather_forward", "data", m * r * psi * p_bytes, m))
-            out.append(CommTerm("zero3_parameter_allgather_backward", "data", m * r * psi * p_bytes, m))
-            out.append(CommTerm("gradient_reduce_scatter", "data", m * r * psi * g_bytes, m))
+    if experts and setup.ep == 1:  # no expert axis: the experts are reduced with the rest
+        psi, experts = psi + experts, 0.0
+    out += _data_terms(psi, dp, setup, "data", "")
+    if experts:
+        out += _data_terms(experts, setup.expert_replicas, setup, "expert_data", "expert_")
+        moe = spec.moe_blocks_on_stage(stage, setup.pp)
+        forwards = 2 if setup.recompute == "full" else 1
+        tokens = spec.seq_len // setup.cp * setup.micro_batch
+        per = ring_factor(setup.ep) * spec.moe_top_k * tokens * spec.hidden * setup.bytes_per_value
+        out.append(CommTerm("expert_all_to_all", "expert", m * moe * 2 * (forwards + 1) * per,
+                            m * moe * (2 * (forwards + 1) + forwards)))
     if t > 1:
         layers = spec.layers_on_stage(stage, setup.pp)
         per_block = 6 if setup.recompute == "full" else 4
@@ -98,6 +102,25 @@ def communication_per_rank(spec: ModelSpec, setup: Setup, stage: int = 0) -> lis
             out.append(CommTerm("tied_embedding_grad_allreduce", "pipeline",
                                 2 * ring_factor(2) * shard * g_bytes, 1))
     return out
+
+
+def _data_terms(psi: float, dp: int, setup: Setup, group: str, prefix: str) -> list[CommTerm]:
+    """Gradient and parameter traffic of ``psi`` parameters replicated over ``dp`` ranks (ZeRO paper 7.1-7.2)."""
+    if dp <= 1 or not psi:
+        return []
+    p_bytes, g_bytes, _ = setup.state_bytes()
+    r, m = ring_factor(dp), setup.micro_batches
+    if setup.zero_stage == 0:
+        return [CommTerm(f"{prefix}gradient_allreduce", group, 2 * r * psi * g_bytes, 1)]
+    if setup.zero_stage == 1:
+        return [CommTerm(f"{prefix}gradient_reduce_scatter", group, r * psi * g_bytes, 1),
+                CommTerm(f"{prefix}parameter_allgather", group, r * psi * p_bytes, 1)]
+    if setup.zero_stage == 2:
+        return [CommTerm(f"{prefix}gradient_reduce_scatter", group, m * r * psi * g_bytes, m),
+                CommTerm(f"{prefix}parameter_allgather", group, r * psi * p_bytes, 1)]
+    return [CommTerm(f"{prefix}zero3_parameter_allgather_forward", group, m * r * psi * p_bytes, m),
+            CommTerm(f"{prefix}zero3_parameter_allgather_backward", group, m * r * psi * p_bytes, m),
+            CommTerm(f"{prefix}gradient_reduce_scatter", group, m * r * psi * g_bytes, m)]
 
 
 def _context_term(spec: ModelSpec, setup: Setup, stage: int, w: float) -> CommTerm:

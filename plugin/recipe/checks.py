@@ -171,6 +171,49 @@ def check_context_parallel(recipe: Recipe, layout: Layout | None) -> Problems:
                               f"size with tensor x context dividing {value}")
 
 
+def check_expert(recipe: Recipe, layout: Layout | None) -> Problems:
+    """The expert axis, before any group: E divides data x context (the experts' ranks are carved out of them), the
+    experts divide over E, the expert tensor degree is the tensor degree or 1, and the model has experts at all."""
+    par, m = recipe.parallelism, recipe.model
+    e, etp = par.expert, par.expert_tensor
+    moe = m.moe if m is not None else None
+    if moe is not None:
+        if moe.top_k > moe.experts:
+            yield Problem("$.model.moe.top_k", f"top_k {moe.top_k} > experts {moe.experts}: a token cannot reach "
+                          "more experts than there are", f"use top_k <= {moe.experts}")
+        if moe.every > m.layers:
+            yield Problem("$.model.moe.every", f"every {moe.every} > layers {m.layers}: no block would be a MoE block",
+                          f"use every <= {m.layers} (1: every block)")
+        ffn = moe.ffn_hidden if moe.ffn_hidden is not None else m.ffn_hidden_resolved
+        split = par.expert_tensor_resolved
+        if ffn % split:
+            yield Problem("$.model.moe.ffn_hidden", f"expert ffn_hidden {ffn} is not divisible by expert tensor "
+                          f"{split}: each tensor rank holds whole columns of every expert it holds",
+                          f"use an expert ffn_hidden that is a multiple of {split}, or \"expert_tensor\": 1")
+    if etp is not None and etp not in (1, par.tensor):
+        yield Problem("$.parallelism.expert_tensor", f"expert_tensor {etp}: experts are split over the tensor group "
+                      f"(tensor {par.tensor}) or kept whole", f'use "expert_tensor": 1 or {par.tensor}, or drop it')
+    if e == 1:
+        return
+    if m is not None and moe is None:
+        yield Problem("$.parallelism.expert", f"expert {e} places the experts of mixture-of-experts layers over {e} "
+                      "ranks, but the recipe's model has none", 'add "moe": {"experts": N} to $.model, or set '
+                      '"expert": 1')
+    if moe is not None and moe.experts % e:
+        yield Problem("$.parallelism.expert", f"experts {moe.experts} are not divisible by expert {e}: every expert "
+                      "rank holds the same number of whole experts",
+                      f"use an expert degree that divides {moe.experts} ({_divisors(moe.experts, 64)})")
+    dc = (layout.data if layout is not None else par.data if isinstance(par.data, int) else None)
+    if dc is not None:
+        dc *= par.context
+        if dc % e:
+            words = f"data {dc // par.context} x context {par.context} = {dc}" if par.context > 1 else f"data {dc}"
+            good = [d for d in range(1, dc + 1) if dc % d == 0]
+            yield Problem("$.parallelism.expert", f"expert {e} does not divide {words}: the experts' ranks are carved "
+                          "out of data x context (Megatron's and torchtitan's rule; the world is unchanged)",
+                          f"use an expert degree in {good}, or a data size that is a multiple of {e}")
+
+
 def check_pipeline(recipe: Recipe, layout: Layout | None) -> Problems:
     pp_cfg, pp = recipe.pipeline_parallel, recipe.parallelism.pipeline
     if pp_cfg.schedule == "interleaved_1f1b":
@@ -331,7 +374,7 @@ def check_name(recipe: Recipe, layout: Layout | None) -> Problems:
 
 
 RULES = (check_zero, check_batch_and_world, check_model_dims, check_tensor_parallel, check_context_parallel,
-         check_pipeline, check_activation_checkpointing, check_native_back_end, check_deepspeed_back_end,
+         check_expert, check_pipeline, check_activation_checkpointing, check_native_back_end, check_deepspeed_back_end,
          check_precision_and_optimizer, check_lr_schedule, check_watchdog, check_cluster, check_name,
          check_deepspeed_block)
 

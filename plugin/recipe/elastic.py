@@ -41,9 +41,19 @@ def elastic_problems(recipe) -> list[Problem]:
 
 
 def layout_at(recipe, world_size: int) -> Layout | None:
-    """The recipe's layout on exactly ``world_size`` processes, or ``None`` when it cannot use them all."""
+    """The recipe's layout on exactly ``world_size`` processes, or ``None`` when it cannot use them all (an expert
+    degree that does not divide the data x context there included: its ranks are carved out of them).
+
+    >>> from plugin.recipe.spec import Recipe
+    >>> r = Recipe.from_dict({"name": "e", "parallelism": {"data": "auto", "expert": 4},
+    ...                       "batch": {"global": 48, "micro": 1}})
+    >>> [w for w in range(1, 13) if layout_at(r, w) is not None]
+    [4, 8, 12]
+    """
     layout, problems = resolve_layout(recipe, world_size)
-    return layout if not problems else None
+    if problems or (layout.data * layout.context) % layout.expert:
+        return None
+    return layout
 
 
 def usable_world(recipe, world_size: int) -> int | None:

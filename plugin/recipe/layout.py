@@ -21,15 +21,26 @@ class Layout:
     micro_batch: int
     grad_accum: int
     context: int = 1
+    expert: int = 1  # carved out of data x context: not a factor of the world size
+    expert_tensor: int | None = None  # tensor ranks per expert; None: the tensor degree
 
     @property
     def world_size(self) -> int:
         return self.data * self.tensor * self.pipeline * self.context
 
     @property
+    def expert_tensor_resolved(self) -> int:
+        return self.tensor if self.expert_tensor is None else self.expert_tensor
+
+    @property
     def words(self) -> str:
-        """``data D x tensor T x pipeline P``, then `` x context C`` when C > 1: how every door names a layout."""
-        return layout_words(self.data, self.tensor, self.pipeline, self.context)
+        """``data D x tensor T x pipeline P``, then `` x context C`` when C > 1 and `` (expert E)`` when E > 1: how
+        every door names a layout."""
+        words = layout_words(self.data, self.tensor, self.pipeline, self.context)
+        if self.expert > 1:
+            whole = ", whole experts" if self.expert_tensor_resolved == 1 and self.tensor > 1 else ""
+            words += f" (expert {self.expert} of data x context{whole})"
+        return words
 
     @property
     def micro_batches(self) -> int:
@@ -193,4 +204,4 @@ def resolve_layout(recipe, world_size: int | None = None) -> tuple[Layout | None
         return None, problems + batch_problems
     g, m, a = triple
     return Layout(data=data, tensor=par.tensor, pipeline=par.pipeline, global_batch=g, micro_batch=m,
-                  grad_accum=a, context=par.context), problems
+                  grad_accum=a, context=par.context, expert=par.expert, expert_tensor=par.expert_tensor), problems

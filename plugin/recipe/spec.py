@@ -32,6 +32,13 @@ class Parallelism:
     tensor: int = 1
     pipeline: int = 1
     context: int = 1
+    expert: int = 1
+    expert_tensor: int | None = None
+
+    @property
+    def expert_tensor_resolved(self) -> int:
+        """Tensor ranks each expert is split over: ``expert_tensor``, or the tensor degree when absent."""
+        return self.tensor if self.expert_tensor is None else self.expert_tensor
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,22 @@ class Watchdog:
 
 
 @dataclass(frozen=True)
+class MoE:
+    """A mixture-of-experts feed-forward (:mod:`plugin.expert_parallel`) in place of the dense MLP of every
+    ``every``-th block (blocks ``every - 1``, ``2 every - 1``, ...): ``experts`` experts of inner size
+    ``ffn_hidden`` (absent: the model's), each token sent to its ``top_k`` by the ``router`` (``"softmax"``, or
+    DeepSeek-V3's ``"sigmoid"`` with its score-correction bias moved by ``bias_update_rate`` after every step),
+    dropless; the load-balancing loss times ``aux_loss_coef`` is added to the training loss."""
+    experts: int
+    top_k: int = 2
+    every: int = 1
+    ffn_hidden: int | None = None
+    aux_loss_coef: float = 0.01
+    router: str = "softmax"
+    bias_update_rate: float = 0.001
+
+
+@dataclass(frozen=True)
 class Model:
     layers: int
     hidden: int
@@ -137,6 +160,7 @@ class Model:
     kv_heads: int | None = None
     ffn_hidden: int | None = None
     dropout: float = 0.0
+    moe: MoE | None = None
 
     @property
     def kv_heads_resolved(self) -> int:

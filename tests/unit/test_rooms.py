@@ -25,7 +25,8 @@ PLUGIN = Path(plugin.__file__).resolve().parent
 
 # Rooms in data-flow order, then the two front doors (launch.sh's brain and python -m plugin), which may use any
 # room above them; a room imports only from rooms above it or from itself.
-ROOMS = ["recipe", "interop", "planning", "distributed", "tensor_parallel", "context_parallel", "pipeline_parallel",
+ROOMS = ["recipe", "interop", "planning", "distributed", "tensor_parallel", "context_parallel", "expert_parallel",
+         "pipeline_parallel",
          "materialize", "models", "data", "checkpoint", "monitor", "watchdog", "engines", "elastic", "job", "launch",
          "dryrun", "cli"]
 SHARED = {"plugin.errors"}

@@ -91,6 +91,11 @@ def wrap_ddp(module: torch.nn.Module, groups, device: torch.device):
     holding the same parameters averages its gradients): every native engine's one DDP wrap."""
     from torch.nn.parallel import DistributedDataParallel
 
+    from ...expert_parallel import is_expert_param
+
+    if groups.ep_size > 1:  # the experts differ across data x context: reduced over the expert-data group instead
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            module, [n for n, p in module.named_parameters() if is_expert_param(p)])
     return DistributedDataParallel(module, process_group=groups.data_context_group,
                                    device_ids=[device] if device.type == "cuda" else None,
                                    gradient_as_bucket_view=True,  # gradients are views into DDP's buckets: no copy
@@ -102,8 +107,10 @@ def wrap_ddp(module: torch.nn.Module, groups, device: torch.device):
 
 def routed(module: torch.nn.Module) -> bool:
     """Whether ``module`` holds a mixture-of-experts block (a submodule class named ``*Expert*`` or ``*MoE*``, as
-    transformers' are), whose parameters a step may leave without a gradient on one rank."""
-    return any("expert" in type(m).__name__.lower() or "moe" in type(m).__name__.lower() for m in module.modules())
+    transformers' are), whose parameters a step may leave without a gradient on one rank. The plugin's own
+    (:mod:`plugin.expert_parallel`) are not: every local expert runs every step, on zero rows if need be."""
+    return any(("expert" in type(m).__name__.lower() or "moe" in type(m).__name__.lower())
+               and not type(m).__module__.startswith("plugin.expert_parallel") for m in module.modules())
 
 
 class NativeEngine(Engine):
@@ -123,6 +130,10 @@ class NativeEngine(Engine):
     def __init__(self, recipe, layout, topology, groups, module, device, *, container, optimizer, scaler,
                  tensor_sharded: set):
         super().__init__(recipe, layout, topology, groups, module, device)
+        from ...expert_parallel import is_expert_param
+
+        # with an expert axis: this rank's experts, reduced over the expert-data group (plugin.expert_parallel.grads)
+        self.expert_params = [p for p in container.parameters() if is_expert_param(p)] if groups.ep_size > 1 else []
         self.container = container
         self.optimizer = optimizer
         self.scaler = scaler
@@ -147,12 +158,14 @@ class NativeEngine(Engine):
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # first: the norm is clipped on the true gradients, not scaled ones
         params = self.clip_params()
+        experts = self.groups.ep_size > 1
         norm = clip_by_global_norm(
             params, float(self.recipe.gradient_clipping), tensor_sharded=self.tensor_sharded,
             tp_rank=self.groups.tp_rank, model_group=self.groups.model_group,
             model_size=self.groups.model_size,
             data_group=self.groups.data_context_group if self.groups.data_context_size > 1 else None,
-            data_sharded=self.data_sharded, device=self.device, skip=self.norm_skip)
+            data_sharded=self.data_sharded, device=self.device, skip=self.norm_skip,
+            expert={id(p) for p in self.expert_params}, expert_group=self.groups.expert_group if experts else None)
         self.last_grad_norm = float(norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
@@ -161,6 +174,15 @@ class NativeEngine(Engine):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
+
+    def reduce_expert_grads(self) -> None:
+        """The experts' gradients summed over the expert-data group, over data x context (once per step, after the
+        last backward): :func:`plugin.expert_parallel.grads.reduce_expert_grads`."""
+        if self.expert_params:
+            from ...expert_parallel.grads import reduce_expert_grads
+
+            group = self.groups.expert_data_group if self.groups.edp_size > 1 else None
+            reduce_expert_grads(self.expert_params, group, self.groups.data_context_size)
 
     def clip_params(self) -> list:
         """The tensors whose gradients the optimizer steps with: this rank's parameters (ZeRO-2: its row views)."""

@@ -40,6 +40,7 @@ import torch
 
 from ...checkpoint.boxes import TensorLayout, tp_segments
 from ...context_parallel.apply import apply_context_parallel
+from ...expert_parallel import apply_expert_parallel, moe_layers, update_router_biases
 from ...materialize.sinks import FSDP2Sink
 from ..context import BuildContext
 from . import state
@@ -87,8 +88,10 @@ class DataParallelEngine(NativeEngine):
                 self.scale(loss / len(micro)).backward()
             if self.shards is not None:
                 self.shards.reduce()
+        self.reduce_expert_grads()
         self.rows_checked()  # the data contract's verdict: the step has waited for its gradients, nothing updated yet
         self.optimizer_step()
+        update_router_biases(self.container)  # DeepSeek's sigmoid routers: their biases follow the step's loads
         if self.shards is not None:
             self.shards.gather()
         return mean_loss()
@@ -144,6 +147,8 @@ def build_data_parallel(ctx: BuildContext, groups) -> DataParallelEngine:
     recipe, layout, device = ctx.recipe, ctx.layout, ctx.device
     module = ctx.apply_tp(ctx.model, groups.tensor_group) if layout.tensor > 1 else ctx.model
     apply_context_parallel(module, groups, recipe.context_parallel.method)
+    if moe_layers(module):  # each rank's experts, cut on meta too (materialising fills them from the whole values)
+        apply_expert_parallel(module, groups, getattr(ctx.apply_tp, "cuts", None))
     stage = recipe.zero.stage
     replicas = groups.data_context_size  # ranks holding the same parameters: data x context
     fsdp = stage == 3 or (stage == 2 and "cpu" in (recipe.zero.offload_optimizer, recipe.zero.offload_param))

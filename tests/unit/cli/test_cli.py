@@ -255,3 +255,16 @@ def test_import_problems_name_the_file(tmp_path):
 def test_summary_says_one_process():
     out = cli("validate", "cpu_single")
     assert out.returncode == 0 and "= 1 process;" in out.stdout, out.stdout
+
+
+def test_export_refuses_an_expert_axis_it_cannot_carry(tmp_path):
+    recipe = tmp_path / "moe_ep2.json"
+    recipe.write_text(json.dumps({"name": "moe_ep2", "batch": {"global": 8, "micro": 1},
+                                  "parallelism": {"data": 4, "expert": 2},
+                                  "model": {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq_len": 32,
+                                            "moe": {"experts": 4}}}))
+    for to in ("deepspeed", "accelerate"):
+        out = cli("export", recipe, "--to", to)
+        assert out.returncode == 2 and "$.parallelism.expert: expert 2" in out.stderr and not out.stdout
+    shown = json.loads(cli("show", recipe, "--json").stdout)
+    assert shown["resolved"]["expert"] == 2 and shown["ranks"][1]["expert_peers"] == [0, 1]

@@ -66,7 +66,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="outside"):
         Topology(1, 2, 2).coord(4)
     with pytest.raises(ValueError, match="unknown axis"):
-        Topology(1, 2, 2).group_of(0, "expert")
+        Topology(1, 2, 2).group_of(0, "experts")
 
 
 def test_from_recipe():

@@ -1,0 +1,55 @@
+"""What the expert axis reaches today, checked before any process group: the reference GPT's MoE layers
+(:class:`.layer.MoE`) on the native back end at ZeRO-0 (DDP), with tensor and context parallelism, without pipeline
+stages. Everything else with an expert axis (or with MoE layers whose load-balancing statistics need the groups) is
+refused by name here, so that nothing trains differently from one process."""
+from __future__ import annotations
+
+from ..errors import Problem
+
+
+def check_expert_reach(recipe, layout, backend: str, moe_layers: int, family: str | None = None,
+                       ep_plan: bool = False) -> list[Problem]:
+    """Problems (JSON path, what, fix) for ``recipe`` at ``layout`` on ``backend``, the model holding ``moe_layers``
+    plugin MoE layers; ``family``: a transformers model's ``model_type`` (``ep_plan``: whether its config declares a
+    ``base_model_ep_plan``), named in the refusal."""
+    e, out = layout.expert, []
+    if e > 1 and moe_layers == 0:
+        what = "the model has no MoE layer the plugin can place (the reference GPT's model.moe)"
+        if family:
+            what = (f"the transformers family {family!r} " + ("declares a base_model_ep_plan, which the plugin does "
+                    "not read yet" if ep_plan else "declares no base_model_ep_plan") + "; the plugin places only the "
+                    "reference GPT's MoE layers (model.moe)")
+        out.append(Problem("$.parallelism.expert", f"expert {e}: {what}", 'set "expert": 1 (experts under tensor '
+                           'parallelism and ZeRO), or use the reference GPT with "model": {"moe": {...}}'))
+    if moe_layers == 0:
+        return out
+    spread = layout.data * layout.context > 1 or e > 1
+    if backend != "native" and spread:
+        out.append(Problem("$.parallelism.expert" if e > 1 else "$.model.moe", f"MoE layers on the {backend} back end "
+                           "over more than one data rank: its expert groups and the load-balancing statistics over "
+                           "data x context are not reached there yet", 'use the native back end ("launcher": '
+                           '"torchrun")'))
+    moe = recipe.model.moe if recipe.model is not None else None
+    if moe is not None and moe.router == "sigmoid" and backend != "native":
+        out.append(Problem("$.model.moe.router", f'the "sigmoid" router on the {backend} back end: its bias update '
+                           "after each step is the native back end's (not reached there yet)",
+                           'use the native back end ("launcher": "torchrun"), or "router": "softmax"'))
+    if layout.pipeline > 1:
+        out.append(Problem("$.parallelism.pipeline", f"MoE layers with pipeline {layout.pipeline}: the load-balancing "
+                           "losses of stages before the last would not reach the loss (not reached yet)",
+                           'use "pipeline": 1 with MoE layers'))
+    if e > 1 and recipe.zero.stage > 0:
+        out.append(Problem("$.zero.stage", f"ZeRO stage {recipe.zero.stage} with expert {e}: the experts' optimizer "
+                           "states and gradients would be partitioned over data x context, where the experts differ "
+                           "(partitioning over the expert-data group is not reached yet)",
+                           'use "stage": 0 (DDP over data x context, the experts over the expert-data group)'))
+    if recipe.tensor_parallel.sequence_parallel and layout.tensor > 1:
+        out.append(Problem("$.tensor_parallel.sequence_parallel", "sequence parallelism with MoE layers: each tensor "
+                           "rank would route a different slice of the tokens (not reached yet)",
+                           'set "sequence_parallel": false'))
+    if e > 1 and layout.tensor > 1 and layout.expert_tensor_resolved == 1:
+        out.append(Problem("$.parallelism.expert_tensor", "whole experts (expert_tensor 1) with tensor "
+                           f"{layout.tensor}: the tensor ranks' copies of each token would reach the experts twice "
+                           "(not reached yet)",
+                           'drop "expert_tensor" (experts split over the tensor group)'))
+    return out

@@ -1,0 +1,122 @@
+"""The mixture-of-experts feed-forward: a router and a bank of GELU experts, placed over the expert group.
+
+``MoE(hidden, experts, top_k, ffn_hidden)`` is built whole (every expert, ``w1 [E, hidden, ffn]`` and ``w2 [E, ffn,
+hidden]`` as two stacked parameters, so that materialising a meta model fills them under one seed whatever the
+layout); :func:`plugin.expert_parallel.apply.apply_expert_parallel` then keeps on each rank its ``E / ep`` experts
+(and, with the tensor degree, its columns of ``w1`` and rows of ``w2``: Megatron's column-then-row split of each
+expert). Input and output are ``[..., hidden]``: tokens are flattened, routed, dispatched and combined
+(:func:`.dispatch.dispatch_combine`). In training, each forward keeps its load-balancing loss in ``aux_loss`` (over
+the data x context group, :mod:`.router`), which :func:`.aux.with_aux_losses` adds to the training loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..tensor_parallel.comm import copy_to_tensor_region, reduce_from_tensor_region
+from .comm import group_size
+from .dispatch import dispatch_combine
+from .router import load_balancing_loss, sigmoid_top_k, softmax_top_k, updated_bias
+
+
+@dataclass(frozen=True)
+class ExpertContext:
+    """What a MoE layer needs of the layout: the expert group (tokens travel over it), the expert-tensor group
+    (each expert's columns and rows split over it; ``None``: whole experts) and the data x context group (the
+    load-balancing statistics are summed over it)."""
+
+    expert_group: Any = None
+    expert_tensor_group: Any = None
+    data_context_group: Any = None
+
+
+class Experts(nn.Module):
+    """This rank's experts: ``y_e = gelu(x w1[e]) w2[e]``; ``total`` experts in the layer, ``first`` the global index
+    of ``w1[0]``. With an expert-tensor group, ``w1`` holds this rank's columns and ``w2`` its rows: the input's
+    gradient and the output are summed over that group (Megatron's f and g)."""
+
+    def __init__(self, experts: int, hidden: int, ffn_hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, hidden, ffn_hidden))
+        self.w2 = nn.Parameter(torch.empty(experts, ffn_hidden, hidden))
+        self.total, self.first = experts, 0
+        self.tensor_group = None
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        rows = copy_to_tensor_region(rows, self.tensor_group)
+        outs = [F.gelu(chunk @ self.w1[e]) @ self.w2[e] for e, chunk in enumerate(rows.split(counts))]
+        return reduce_from_tensor_region(torch.cat(outs), self.tensor_group)
+
+    def cut(self, ep_rank: int, ep_size: int, tp_rank: int = 0, tp_size: int = 1) -> Experts:
+        """A module holding expert rank ``ep_rank``'s experts (of ``ep_size``) and tensor rank ``tp_rank``'s columns
+        of them (of ``tp_size``), cut from this whole one (meta stays meta)."""
+        local, ffn = self.total // ep_size, self.w1.shape[-1] // tp_size
+        first, cols = ep_rank * local, slice(tp_rank * ffn, (tp_rank + 1) * ffn)
+        piece = Experts.__new__(Experts)
+        nn.Module.__init__(piece)
+        piece.w1 = nn.Parameter(self.w1.detach()[first:first + local, :, cols].clone())
+        piece.w2 = nn.Parameter(self.w2.detach()[first:first + local, cols, :].clone())
+        piece.total, piece.first, piece.tensor_group = self.total, first, None
+        # where this rank's box lies in the whole tensors: checkpoints store the whole model's names and shapes
+        piece.w1.global_offsets, piece.w2.global_offsets = (first, 0, cols.start), (first, cols.start, 0)
+        return piece
+
+    def extra_repr(self) -> str:
+        return f"experts {self.first}..{self.first + self.w1.shape[0] - 1} of {self.total}, w1 {tuple(self.w1.shape)}"
+
+
+class MoE(nn.Module):
+    """Router and experts. ``forward(x [..., hidden]) -> [..., hidden]``.
+
+    ``router``: ``"softmax"`` (with the load-balancing loss) or ``"sigmoid"`` (DeepSeek-V3: ``score_bias``, a
+    parameter without gradient, steers the choice; each training forward adds its choices to ``load``, and
+    :meth:`update_bias`, called after every optimizer step, sums them over data x context and moves the bias by
+    ``bias_update_rate`` towards balance: the same on every rank and layout as on one process)."""
+
+    def __init__(self, hidden: int, experts: int, top_k: int, ffn_hidden: int, router: str = "softmax",
+                 bias_update_rate: float = 0.001):
+        super().__init__()
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.kind, self.bias_update_rate = router, bias_update_rate
+        if router == "sigmoid":
+            self.score_bias = nn.Parameter(torch.zeros(experts), requires_grad=False)
+        self.load: torch.Tensor | None = None
+        self.experts = Experts(experts, hidden, ffn_hidden)
+        self.top_k = top_k
+        self.ep = ExpertContext()
+        self.aux_loss: torch.Tensor | None = None
+        self.force_expert: int | None = None  # tests: every token's first choice is this expert (an unbalanced routing)
+
+    def forward(self, x: torch.Tensor, out_bias: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        logits = self.router(tokens)
+        if self.force_expert is not None:  # a large margin on one expert: differentiable, and every token goes there
+            logits = logits + F.one_hot(torch.full((1,), self.force_expert), logits.shape[-1]).to(logits.dtype) * 8.0
+        if self.kind == "sigmoid":
+            _, weights, chosen = sigmoid_top_k(logits, self.score_bias, self.top_k)
+            if self.training and torch.is_grad_enabled():
+                counts = torch.bincount(chosen.reshape(-1), minlength=logits.shape[-1]).float()
+                self.load = counts if self.load is None else self.load + counts
+        else:
+            probs, weights, chosen = softmax_top_k(logits, self.top_k)
+            if self.training and torch.is_grad_enabled():
+                self.aux_loss = load_balancing_loss(probs, chosen, self.ep.data_context_group)
+        y = dispatch_combine(tokens, chosen, weights.to(tokens.dtype), self.experts, self.ep.expert_group)
+        return y.reshape(shape)
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """After an optimizer step: the sigmoid router's bias moved by the step's loads (summed over data x context);
+        nothing for a softmax router or a step without training forwards."""
+        if self.kind != "sigmoid" or self.load is None:
+            return
+        load, self.load = self.load, None
+        group = self.ep.data_context_group
+        if group_size(group) > 1:
+            torch.distributed.all_reduce(load, group=group)
+        self.score_bias.copy_(updated_bias(self.score_bias, load.to(self.score_bias.device), self.bias_update_rate))

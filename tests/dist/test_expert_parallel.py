@@ -1,0 +1,245 @@
+"""The reference GPT with MoE blocks trained with an expert axis on the native back end, against one process.
+
+One launch of 4 gloo processes trains, one layout after another, 3 steps each (fp32, SGD with momentum 0.9, the
+clipping threshold below every step's gradient norm, asserted, so the clipping acts and the norm it reports, summed
+over the expert group, is compared):
+
+* ``expert 4`` over data 4 (one expert per rank, no expert-data reduction), ``expert 2`` over data 4 (expert-data
+  groups of 2), ``expert 2 x tensor 2`` (each expert's columns and rows over the tensor group), ``expert 2`` over data
+  2 x context 2 (E carved out of data x context), and ``expert 4`` with a routing forced unbalanced (top-1, every
+  token of every rank to expert 0, the other experts get no row: dropless shown), expert 2 x tensor 2 built on meta,
+  DeepSeek's sigmoid router with its bias moving, and without an expert axis the experts split over tensor 2 and the
+  MoE model under ZeRO-3 (FSDP2);
+* each against one process on the whole global batch, its micro-batch ``i`` the union of the data ranks' ``i``-th
+  micro-batches (the load-balancing loss is computed over those tokens, :mod:`plugin.expert_parallel.router`): the
+  losses, the gradient norms, every gradient of the first step (after clipping) and every parameter after the last
+  step that the rank holds whole or as an expert slice (tensor-split dense weights are seen through the norm), rel
+  1e-5 (1e-4 through tensor parallelism);
+* what the axis does not reach (ZeRO-1, pipeline, DeepSpeed) refused on every rank before any group;
+* checkpoints across expert degrees: expert 2 trains 2 steps and saves, expert 1 resumes for step 3 and saves,
+  expert 4 resumes for step 4, each step one process's loss and gradient norm.
+
+The model has a dense block and a MoE block (4 experts, top-2, ``every`` 2), global batch 16 at micro 2: the data 4
+layouts accumulate 2 micro-batches per step, so the per-micro-batch load-balancing term is exercised.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .spawn import run
+
+pytestmark = [pytest.mark.dist, pytest.mark.native]
+
+STEPS = 3
+SGD = {"name": "sgd", "lr": 0.3, "momentum": 0.9}
+CLIP = 0.2
+MODEL = {"layers": 2, "hidden": 32, "heads": 4, "ffn_hidden": 64, "vocab": 128, "seq_len": 32, "dropout": 0.0,
+         "moe": {"experts": 4, "top_k": 2, "every": 2, "ffn_hidden": 48, "aux_loss_coef": 0.1}}
+LAYOUTS = {  # name -> (parallelism, moe overrides, forced expert, rtol)
+    "expert4": ({"data": 4, "expert": 4}, {}, None, 1e-5),
+    "expert2_edp2": ({"data": 4, "expert": 2}, {}, None, 1e-5),
+    "expert2_tensor2": ({"data": 2, "tensor": 2, "expert": 2}, {}, None, 1e-4),
+    "expert2_context2": ({"data": 2, "context": 2, "expert": 2}, {}, None, 1e-5),
+    "expert4_all_to_expert0": ({"data": 4, "expert": 4}, {"top_k": 1}, 0, 1e-5),
+    "expert2_tensor2_meta": ({"data": 2, "tensor": 2, "expert": 2}, {}, None, 1e-4),  # built on meta, cut there
+    # DeepSeek-V3's router: sigmoid scores, the choice steered by a bias that moves after every step (its final value
+    # is compared with the parameters: the loads summed over data x context, as one process counts them)
+    "expert2_sigmoid_bias": ({"data": 4, "expert": 2}, {"router": "sigmoid", "bias_update_rate": 0.05}, None, 1e-5),
+    # no expert axis: the experts split over the tensor group only, and sharded with the rest by ZeRO
+    "tensor2_split_experts": ({"data": 2, "tensor": 2}, {}, None, 1e-4),
+    "zero3_moe": ({"data": 4, "zero_stage": 3}, {}, None, 1e-5),  # FSDP2
+
+}
+REFUSED = {  # before any group, on every rank: what the axis does not reach yet
+    "zero1": ({"data": 4, "expert": 2}, {"zero": {"stage": 1}}, "$.zero.stage"),
+    "pipeline": ({"data": 2, "pipeline": 2, "expert": 2}, {"batch": {"global": 16, "micro": 2, "grad_accum": 4}},
+                 "$.parallelism.pipeline"),
+    "deepspeed": ({"data": 4, "expert": 2}, {"launcher": "deepspeed"}, "$.parallelism.expert"),
+}
+
+
+def _recipe(parallelism: dict, moe: dict, blocks: dict | None = None):
+    from plugin.recipe.spec import Recipe
+
+    parallelism = dict(parallelism)
+    zero = parallelism.pop("zero_stage", None)
+    if zero is not None:
+        blocks = {**(blocks or {}), "zero": {"stage": zero}}
+    return Recipe.from_dict({
+        "name": "moe", "batch": {"global": 16, "micro": 2}, "launcher": "torchrun",
+        "parallelism": {"tensor": 1, "pipeline": 1, **parallelism}, "optimizer": SGD, "gradient_clipping": CLIP,
+        "model": {**MODEL, "moe": {**MODEL["moe"], **moe}}, **(blocks or {})})
+
+
+def _model(recipe, forced):
+    from plugin.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_recipe_model(recipe.model))
+    for block in model.blocks:
+        if hasattr(block, "moe"):
+            block.moe.force_expert = forced
+    return model
+
+
+def _micro_steps(x, lay):
+    """One process's micro-batch ``i``: the ``i``-th micro-batch of every data rank, together."""
+    share = x.shape[0] // lay.data
+    return [torch.cat([x[r * share + i * lay.micro_batch:r * share + (i + 1) * lay.micro_batch]
+                       for r in range(lay.data)]) for i in range(lay.grad_accum)]
+
+
+def _reference(recipe, forced, steps=STEPS):
+    """Losses, gradient norms, the first step's clipped gradients and the last parameters of one process."""
+    from plugin.data.text import TextBatches
+    from plugin.engines.optim import WeightDecay, build_optimizer
+    from plugin.models.gpt import gpt_loss
+
+    lay = recipe.layout()
+    model = _model(recipe, forced)
+    opt = build_optimizer(model.parameters(), recipe.optimizer, WeightDecay.of(model))
+    data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
+    moes = [b.moe for b in model.blocks if hasattr(b, "moe")]
+    coef = recipe.model.moe.aux_loss_coef
+    losses, norms, grads = [], [], None
+    for step in range(steps):
+        x, y = data.global_batch(step, lay.global_batch)
+        total = 0.0
+        for xs, ys in zip(_micro_steps(x, lay), _micro_steps(y, lay), strict=True):
+            loss = gpt_loss(model(xs), ys) + coef * sum(m.aux_loss for m in moes if m.aux_loss is not None)
+            (loss / lay.grad_accum).backward()
+            total += float(loss.detach()) / lay.grad_accum
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.gradient_clipping)))
+        if grads is None:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+        for m in moes:
+            m.update_bias()
+        losses.append(total)
+    return losses, norms, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _piece(name, whole, module, engine):
+    """The part of one process's ``whole`` tensor that this rank's ``name`` holds, or None (a tensor-split dense
+    weight, seen through the norm)."""
+    if ".experts." in name:
+        experts = module.get_submodule(name.rsplit(".", 1)[0])
+        local = experts.w1.shape[0]
+        piece = whole[experts.first:experts.first + local]
+        tp, rank = engine.layout.tensor, engine.groups.tp_rank
+        if tp > 1:
+            cols = whole.shape[2 if name.endswith("w1") else 1] // tp
+            piece = piece.narrow(2 if name.endswith("w1") else 1, rank * cols, cols)
+        return piece
+    p = module.get_parameter(name)
+    return whole if p.shape == whole.shape and not getattr(p, "tensor_model_parallel", False) else None
+
+
+def _layouts(rank, world, path, directory):
+    import plugin
+    from plugin.data.text import TextBatches
+
+    references = torch.load(path)
+    out = {}
+    for name, (par, moe, forced, rtol) in LAYOUTS.items():
+        recipe = _recipe(par, moe)
+        ref_losses, ref_norms, ref_grads, ref_params = references[name]
+        meta = name.endswith("_meta")
+        engine = plugin.initialize((lambda recipe=recipe, forced=forced: _model(recipe, forced)) if meta
+                                   else _model(recipe, forced), recipe, backend="native", seed=0 if meta else None)
+        module = engine.container
+        first = {}
+
+        def keep(opt, args, kwargs, module=module, first=first):
+            if not first:
+                first.update({n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None})
+
+        engine.optimizer.register_step_pre_hook(keep)
+        data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
+        losses, norms = [], []
+        for step in range(STEPS):
+            losses.append(engine.train_step(data.global_batch(step, engine.layout.global_batch)))
+            norms.append(engine.last_step.grad_norm)
+        tol = dict(rtol=rtol, atol=rtol / 10)
+        compared, worst = 0, 0.0
+        for label, got, ref in (("losses", losses, ref_losses), ("gradient norms", norms, ref_norms)):
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64),
+                                       **tol, msg=lambda m, label=label, name=name: f"{name} {label}: {m}")
+        for label, mine, ref in (("gradient", first, ref_grads),
+                                 ("parameter", {n: p.detach() for n, p in module.named_parameters()}, ref_params)):
+            assert mine.keys() == ref.keys(), (name, label, sorted(set(mine) ^ set(ref)))
+            for n, t in mine.items():
+                t = t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2's DTensors: gathered, every rank
+                piece = _piece(n, ref[n], module, engine)
+                if piece is not None:
+                    torch.testing.assert_close(t, piece, **tol,
+                                               msg=lambda m, n=n, label=label, name=name: f"{name} {label} {n}: {m}")
+                    compared += 1
+                    worst = max(worst, float((t - piece).abs().max() / piece.abs().max().clamp(min=1e-12)))
+        experts = [m for m in module.modules() if type(m).__name__ == "Experts"]
+        pairs = zip(losses + norms, ref_losses + ref_norms, strict=True)
+        worst = max([worst] + [abs(a - b) / abs(b) for a, b in pairs])
+        out[name] = {"losses": losses, "norms": norms, "compared": compared, "worst": worst,
+                     "experts": [(m.first, m.w1.shape[0]) for m in experts],
+                     "ranks": (engine.groups.expert_ranks, engine.groups.expert_data_ranks)}
+    from plugin.engines import initialize as init_module
+    from plugin.errors import RecipeError
+
+    init_module.let_rank_0_speak = lambda: None  # every rank refuses alike here: no 15 s wait for rank 0's message
+    for name, (par, blocks, path) in REFUSED.items():
+        recipe = _recipe(par, {}, blocks)
+        backend = "deepspeed" if name == "deepspeed" else "native"
+        with pytest.raises(RecipeError) as refused:
+            plugin.initialize(_model(recipe, None), recipe, backend=backend)
+        out[name] = [p.path for p in refused.value.problems]
+        assert path in out[name], (name, out[name])
+    out["checkpoints"] = _checkpoints(references["chain"], directory)
+    return out
+
+
+def _checkpoints(reference, directory):
+    """Expert 2 trains 2 steps and saves; expert 1 loads it and trains step 3, saves; expert 4 loads that and trains
+    step 4: each step's loss and norm one process's (the experts' momentum buffers travel with them)."""
+    import plugin
+    from plugin.data.text import TextBatches
+
+    got = []
+    for expert, steps, load, save in ((2, (0, 1), None, "e2"), (1, (2,), "e2", "e1"), (4, (3,), "e1", None)):
+        recipe = _recipe({"data": 4, "expert": expert}, {})
+        engine = plugin.initialize(_model(recipe, None), recipe, backend="native")
+        if load:
+            engine.load(f"{directory}/{load}")
+        data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
+        for step in steps:
+            got.append((engine.train_step(data.global_batch(step, engine.layout.global_batch)),
+                        engine.last_step.grad_norm))
+        if save:
+            engine.save(f"{directory}/{save}")
+    ref_losses, ref_norms = reference[0], reference[1]
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
+                               torch.tensor(list(zip(ref_losses, ref_norms, strict=True)), dtype=torch.float64),
+                               rtol=1e-5, atol=1e-6, msg=lambda m: f"expert 2 -> 1 -> 4 checkpoints: {m}")
+    return got
+
+
+def test_expert_layouts_train_one_process_losses_gradients_and_weights(tmp_path):
+    references = {name: _reference(_recipe(par, moe), forced) for name, (par, moe, forced, _) in LAYOUTS.items()}
+    for name, (_, norms, _, _) in references.items():
+        assert min(norms) > CLIP, f"{name}: the clipping must act: gradient norms {norms} against {CLIP}"
+    references["chain"] = _reference(_recipe({"data": 4, "expert": 2}, {}), None, steps=4)
+    torch.save(references, tmp_path / "references.pt")  # a file: tensors passed as arguments would travel as fds
+    results = run(_layouts, 4, str(tmp_path / "references.pt"), str(tmp_path), timeout_s=120)
+    for name in LAYOUTS:
+        print(f"{name}: losses {results[0][name]['losses']} (reference {references[name][0]}), norms "
+              f"{results[0][name]['norms']} (reference {references[name][1]}); groups by rank "
+              f"{[r[name]['ranks'] for r in results]}; worst relative difference "
+              f"{max(r[name]['worst'] for r in results):.1e} over {sum(r[name]['compared'] for r in results)} tensors")
+        assert all(r[name]["compared"] > 10 for r in results)
+    assert results[0]["expert4"]["experts"] == [(0, 1)] and results[3]["expert4"]["experts"] == [(3, 1)]
+    assert results[1]["expert2_edp2"]["ranks"] == ((0, 1), (1, 3))
+    moved = references["expert2_sigmoid_bias"][3]["blocks.1.moe.score_bias"]
+    assert moved.abs().min() > 0, f"the sigmoid router's bias must have moved: {moved}"
+    print(f"expert 2 -> 1 -> 4 through checkpoints: (loss, norm) per step {results[0]['checkpoints']} (reference "
+          f"{list(zip(references['chain'][0], references['chain'][1], strict=True))})")

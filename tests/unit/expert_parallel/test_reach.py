@@ -1,0 +1,40 @@
+"""What the expert axis does not reach yet is refused before any group (plugin/expert_parallel/checks.py), each at
+its JSON path with a fix; what it reaches passes."""
+from __future__ import annotations
+
+from plugin.expert_parallel.checks import check_expert_reach
+from plugin.recipe.spec import Recipe
+
+MODEL = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 128, "seq_len": 32, "moe": {"experts": 4}}
+
+
+def _paths(parallelism, backend="native", layers=1, **blocks):
+    recipe = Recipe.from_dict({"name": "t", "batch": {"global": 16, "micro": 1}, "model": MODEL,
+                               "parallelism": parallelism, **blocks})
+    problems = check_expert_reach(recipe, recipe.layout(), backend, layers)
+    assert all(p.hint for p in problems)
+    return [p.path for p in problems]
+
+
+def test_a_transformers_moe_family_is_refused_by_name():
+    recipe = Recipe.from_dict({"name": "t", "batch": {"global": 16, "micro": 1}, "parallelism": {"data": 4,
+                                                                                                "expert": 2}})
+    (problem,) = check_expert_reach(recipe, recipe.layout(), "native", 0, "mixtral", True)
+    assert "'mixtral' declares a base_model_ep_plan, which the plugin does not read yet" in problem.message
+
+
+def test_what_is_reached_passes():
+    assert _paths({"data": 4, "expert": 4}) == []
+    assert _paths({"data": 2, "tensor": 2, "context": 2, "expert": 2}) == []
+    assert _paths({"data": 1}, backend="deepspeed") == []  # MoE on one process: nothing to place or sum
+
+
+def test_what_is_not_reached_is_refused_by_name():
+    assert _paths({"data": 4, "expert": 2}, layers=0) == ["$.parallelism.expert"]  # no plugin MoE layer
+    assert _paths({"data": 4, "expert": 2}, backend="deepspeed") == ["$.parallelism.expert"]
+    assert _paths({"data": 4}, backend="accelerate") == ["$.model.moe"]  # the aux statistics need the groups
+    assert _paths({"data": 2, "pipeline": 2}) == ["$.parallelism.pipeline"]
+    assert _paths({"data": 4, "expert": 2}, zero={"stage": 1}) == ["$.zero.stage"]
+    assert _paths({"data": 2, "tensor": 2, "expert": 2}, tensor_parallel={"sequence_parallel": True}) == \
+        ["$.tensor_parallel.sequence_parallel"]
+    assert _paths({"data": 2, "tensor": 2, "expert": 2, "expert_tensor": 1}) == ["$.parallelism.expert_tensor"]
