@@ -9,7 +9,8 @@ installed (no torch import; :func:`plugin.engines.initialize.choose_backend` fee
   or its FSDP2 plugin.
 * ``"native"``: everything else: DeepSpeed missing, launcher torchrun/accelerate, tensor, pipeline or context
   parallelism under ``accelerate launch``, or what Accelerate cannot do on this device or with what
-  is installed (ZeRO >= 1 without transformers: as without deepspeed).
+  is installed (ZeRO >= 1 without transformers: as without deepspeed); an ``"auto"`` recipe whose MoE layers only
+  the native back end trains (:func:`native_only`).
 
 ``accelerate launch`` is recognised by ``ACCELERATE_MIXED_PRECISION``, which its simple, multi-GPU/CPU and
 DeepSpeed launchers all export to every process they start (accelerate 1.x, ``utils/launch.py``);
@@ -61,6 +62,22 @@ def accelerate_mode(recipe, *, cuda: bool, has_deepspeed: bool, has_transformers
     return None, f"ZeRO-{z.stage} on CPU ({missing}): Accelerate's FSDP needs an accelerator; FSDP2 directly"
 
 
+def native_only(recipe) -> str | None:
+    """Why only the native back end can train ``recipe`` (None: any can): the reference GPT's MoE layers over more
+    than one data rank, or with the sigmoid router, are placed, dispatched and balanced by the native back end alone
+    (:mod:`plugin.expert_parallel`; the others refuse them), so ``"launcher": "auto"`` resolves to it and launch.sh
+    to torchrun instead of starting a launcher whose processes would refuse the recipe."""
+    moe = recipe.model.moe if recipe.model is not None else None
+    if moe is None:
+        return None
+    par = recipe.parallelism
+    if moe.router == "sigmoid":
+        return "MoE layers with the sigmoid router: its bias update is the native back end's"
+    if par.expert > 1 or par.data == "auto" or par.data * par.context > 1:
+        return "MoE layers over more than one data rank: their expert groups and balancing are the native back end's"
+    return None
+
+
 def choose(recipe, *, environ: Mapping[str, str], has_deepspeed: bool, cuda: bool,
            has_transformers: bool = True) -> str:
     """The back end for ``recipe`` (see the module docstring). ``has_deepspeed`` / ``has_transformers``: whether
@@ -71,6 +88,8 @@ def choose(recipe, *, environ: Mapping[str, str], has_deepspeed: bool, cuda: boo
             raise PluginError('the recipe says "launcher": "deepspeed" but deepspeed is not installed -> '
                               'pip install deepspeed (with torch pinned), or set "launcher": "auto"')
         return "deepspeed"
+    if recipe.launcher in ("auto", "accelerate") and native_only(recipe):
+        return "native"
     if launched_by_accelerate(environ) and recipe.launcher in ("auto", "accelerate"):
         mode, _ = accelerate_mode(recipe, cuda=cuda, has_deepspeed=has_deepspeed, has_transformers=has_transformers)
         return "accelerate" if mode else "native"

@@ -40,6 +40,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..engines.choose import native_only
 from ..errors import Problem
 from ..interop.precision import PRECISIONS
 from ..job import supervise
@@ -147,7 +148,7 @@ def pick_launcher(recipe, requested: str, machine: Machine, elastic: bool = Fals
         if not machine.has_accelerate:
             raise LaunchError("accelerate is not installed -> pip install accelerate, or use --launcher torchrun")
         return "accelerate"
-    if wanted == "torchrun":
+    if wanted == "torchrun" or native_only(recipe):  # auto: no launcher whose processes would refuse the recipe
         return "torchrun"
     if machine.has_deepspeed and deepspeed_allowed:
         return "deepspeed"

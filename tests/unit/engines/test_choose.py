@@ -127,3 +127,20 @@ def test_interleaved_rounds_must_be_equal():
     assert problems and "4 or 6" in problems[0].hint
     ok = recipe("cpu_tp2_pp2", pipeline_parallel={"schedule": "interleaved_1f1b", "virtual_stages": 2})
     assert not [p for p in check_recipe(ok) if p.is_error]
+
+
+def test_an_auto_recipe_whose_moe_layers_only_the_native_back_end_trains_goes_there():
+    from plugin.engines.choose import native_only
+
+    moe = {"experts": 4, "top_k": 2, "every": 2}
+    ep2 = recipe(zero={"stage": 0}, parallelism={"expert": 2}, model={"moe": moe})
+    one = recipe("cpu_single", model={"moe": moe})  # one data rank: the balance is the process's own
+    sigmoid = recipe("cpu_single", model={"moe": {**moe, "router": "sigmoid"}})
+    assert "more than one data rank" in native_only(ep2) and native_only(one) is None and native_only(recipe()) is None
+    assert "sigmoid" in native_only(sigmoid)
+    for env in ({}, ACCELERATE):
+        assert choose(ep2, environ=env, has_deepspeed=True, cuda=False) == "native"
+        assert choose(one, environ=env, has_deepspeed=True, cuda=False) != "native"
+    # the recipe's own word stands: DeepSpeed then refuses it by name (plugin.expert_parallel.checks)
+    assert choose(recipe(zero={"stage": 0}, parallelism={"expert": 2}, model={"moe": moe}, launcher="deepspeed"),
+                  environ={}, has_deepspeed=True, cuda=False) == "deepspeed"

@@ -39,6 +39,17 @@ def test_a_schedule_deepspeed_cannot_run_goes_elsewhere(tmp_path):
         pick_launcher(r, "deepspeed", CPU_ALL)
 
 
+def test_an_auto_recipe_with_moe_layers_over_data_ranks_gets_torchrun():
+    from plugin.recipe.spec import Recipe
+
+    data = load_recipe("cpu_dp4").to_dict()
+    data["parallelism"]["expert"], data["zero"] = 2, {"stage": 0}
+    data["model"]["moe"] = {"experts": 4, "top_k": 2, "every": 2}
+    r = Recipe.from_dict(data)
+    assert pick_launcher(r, "auto", CPU_ALL) == "torchrun"  # DeepSpeed's processes would refuse it
+    assert pick_launcher(r, "deepspeed", CPU_ALL) == "deepspeed"  # asked for: its refusal names the axis
+
+
 def test_process_count():
     assert processes_per_node(load_recipe("cpu_tp2_pp2"), Request(), CPU_ALL) == 4
     assert processes_per_node(load_recipe("tp2_auto"), Request(), GPU8) == 8
