@@ -114,3 +114,19 @@ def test_a_pipeline_cut_the_model_cannot_take_is_named_with_its_rank(tmp_path):
     with pytest.raises(PluginError, match=r'rank 0 \(pipeline 0, data 0, context 0, tensor 0\): partition '
                        r'"type:NoSuchBlock" matches none of the layer classes'):
         dry_run(load_recipe(path), ranks=[2])
+
+
+def test_moe_layers_are_refused_with_what_to_do_instead(tmp_path):
+    """Dropless dispatch sizes its all-to-alls by the router's values, which meta tensors lack: a MoE recipe is refused
+    with the way round it, before any rank is simulated, where it once died in aten::bincount on meta."""
+    from plugin.dryrun.run import dry_run
+    from plugin.errors import PluginError
+
+    recipe = json.loads((recipes_dir() / "cpu_dp4.json").read_text())
+    recipe["parallelism"]["expert"], recipe["zero"] = 2, {"stage": 0}
+    recipe["model"]["moe"] = {"experts": 4, "top_k": 2, "every": 2}
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps(recipe))
+    with pytest.raises(PluginError, match=r"MoE layers \(model.moe\) .* the dry run does not simulate them yet -> "
+                       r"dry-run the recipe without its model.moe block"):
+        dry_run(load_recipe(path))
