@@ -242,6 +242,13 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, group) -> torch.Tensor:
 # ------------------------------------------------------------------ replicated parameters under sequence parallelism
 
 
+def _dense(grads, likes) -> list[torch.Tensor]:
+    """The gradients, a zero of the input's shape where autograd produced none (every rank must contribute the
+    same sizes to the collective)."""
+    return [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, (shape, dtype, device) in zip(grads, likes, strict=True)]
+
+
 class _AllReduceGradsInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, *tensors):
@@ -251,10 +258,8 @@ class _AllReduceGradsInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        # One all-reduce for all of them: flatten, sum over the group, cut back. A gradient autograd did
-        # not produce is a zero (every rank must contribute the same sizes).
-        dense = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-                 for g, (shape, dtype, device) in zip(grads, ctx.likes, strict=True)]
+        # One all-reduce for all of them: flatten, sum over the group, cut back.
+        dense = _dense(grads, ctx.likes)
         out: list = [None] * len(dense)
         for dtype in dict.fromkeys(g.dtype for g in dense):  # one all-reduce per dtype (usually one)
             idx = [i for i, g in enumerate(dense) if g.dtype == dtype]
@@ -292,8 +297,7 @@ class _SumGradsOverReplicas(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        dense = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-                 for g, (shape, dtype, device) in zip(grads, ctx.likes, strict=True)]
+        dense = _dense(grads, ctx.likes)
         flat = torch.cat([g.reshape(-1) for g in dense])  # one module's weight and bias: one dtype
         slot = group_rank(ctx.group) // ctx.replicas
         slots = flat.new_zeros((group_size(ctx.group) // ctx.replicas, flat.numel()))
