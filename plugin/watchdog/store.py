@@ -37,37 +37,23 @@ def agent_serves_store(environ: Mapping[str, str]) -> bool:
 
 
 class StoreServer:
-    """A ``TCPStore`` served by a child of rank 0: :attr:`port` (read from the child once, within
-    ``START_LIMIT_S``); :meth:`stop` ends it."""
+    """A ``TCPStore`` served by a child of rank 0: :attr:`port` (read from the child on first use); :meth:`stop`
+    ends it."""
 
-    START_LIMIT_S = 120.0  # a fresh interpreter imports torch (1.7 s here) on a machine that may be loaded
+    FORK_LIMIT_S = 20.0  # a forked child says its port within milliseconds
+    START_LIMIT_S = 120.0  # a fresh interpreter imports torch first (1.7 s here) on a machine that may be loaded
 
-    def __init__(self, pid: int, read_fd: int, popen=None):
+    def __init__(self, pid: int, read_fd: int, linger_s: float, prefix: str, popen=None):
         self.pid, self._read_fd, self._popen, self._port = pid, read_fd, popen, None
+        self._linger_s, self._prefix = linger_s, prefix
 
     @classmethod
     def start(cls, linger_s: float, prefix: str = "") -> StoreServer:
-        """Start the server. Once its parent is gone it serves until the guard's key ``reported`` under ``prefix``
-        is set (the survivors' report is out) and 5 s more, at most ``linger_s`` seconds, then exits.
-
-        A fork when this process has no other thread and no process group yet (the first ``initialize`` of a job:
-        cheap, and nothing can be half-held in the child); else a fresh interpreter. A fork taken while threads run
-        copies whatever lock one of them holds at that instant: a test that built several engines in one process
-        (the last one's heartbeat and store threads alive) hung here for 15 min in CI, rank 0's child never
-        answering and the other ranks waiting for its port."""
+        """Fork the server (call before any process group exists: the child must not inherit their threads). Once
+        its parent is gone it serves until the guard's key ``reported`` under ``prefix`` is set (the survivors'
+        report is out) and 5 s more, at most ``linger_s`` seconds, then exits."""
         read, write = os.pipe()
         parent = os.getpid()
-        if not _fork_is_safe():
-            import subprocess
-            import sys
-
-            code = ("import sys; from plugin.watchdog.store import _serve; "
-                    "_serve(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4])")
-            popen = subprocess.Popen([sys.executable, "-c", code, str(write), str(parent), repr(linger_s), prefix],
-                                     pass_fds=(write,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, env=_child_env())
-            os.close(write)
-            return cls(popen.pid, read, popen)
         pid = os.fork()
         if pid == 0:  # the child: serve, watch the parent, never return into the caller's code
             code = 1
@@ -78,18 +64,45 @@ class StoreServer:
             finally:
                 os._exit(code)
         os.close(write)
-        return cls(pid, read)
+        return cls(pid, read, linger_s, prefix)
 
     @property
     def port(self) -> int:
-        """The server's port, once it has said it (at most :attr:`START_LIMIT_S` seconds, else RuntimeError)."""
+        """The server's port. A forked child silent for :attr:`FORK_LIMIT_S` is replaced by a fresh interpreter
+        (then :attr:`START_LIMIT_S` at most, else RuntimeError). Why: a process that builds a second engine forks
+        while the first one's heartbeat and store threads run, and a fork copies whatever lock one of them holds
+        at that instant; CI once saw rank 0 of such a test wait for its child's port for 15 min (the other ranks
+        waiting for rank 0), where the read had no bound."""
         if self._port is None:
-            word = _read_word(self._read_fd, self.START_LIMIT_S)
-            if not word.isdigit():
+            word = _read_word(self._read_fd, self.START_LIMIT_S if self._popen else self.FORK_LIMIT_S)
+            if word is None and self._popen is None:
                 self.stop()
-                raise RuntimeError(f"the watchdog's store did not start: {word or 'no port'}")
+                self._spawn()
+                word = _read_word(self._read_fd, self.START_LIMIT_S)
+            if word is None or not word.isdigit():
+                self.stop()
+                why = f"no port within {self.START_LIMIT_S:g} s" if word is None else word or "no port"
+                raise RuntimeError(f"the watchdog's store did not start: {why}")
             self._port = int(word)
         return self._port
+
+    def _spawn(self) -> None:
+        """Serve from a fresh interpreter (nothing inherited but the pipe), a child of this process as the fork was."""
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        read, write = os.pipe()
+        code = ("import sys; from plugin.watchdog.store import _serve; "
+                "_serve(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4])")
+        root = str(Path(__file__).resolve().parents[2])  # the plugin importable wherever it was imported from
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        self._popen = subprocess.Popen(
+            [sys.executable, "-c", code, str(write), str(os.getpid()), repr(self._linger_s), self._prefix],
+            pass_fds=(write,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=env)
+        os.close(write)
+        self.pid, self._read_fd = self._popen.pid, read
 
     def stop(self) -> None:
         try:
@@ -101,30 +114,9 @@ class StoreServer:
             self._popen.returncode = -signal.SIGKILL  # reaped above: Popen must not wait for it again
 
 
-def _fork_is_safe() -> bool:
-    """No other thread in this interpreter and no process group: nothing a fork could copy half-held."""
-    import sys
-    import threading
-
-    if threading.active_count() > 1:
-        return False
-    dist = sys.modules.get("torch.distributed")
-    return not (dist is not None and dist.is_available() and dist.is_initialized())
-
-
-def _child_env() -> dict[str, str]:
-    """This process's environment, with the plugin importable by the fresh interpreter wherever it was imported
-    from (an editable checkout, a test's PYTHONPATH)."""
-    from pathlib import Path
-
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-def _read_word(fd: int, limit_s: float) -> str:
-    """Everything the child writes to ``fd`` before it closes it, waiting at most ``limit_s`` seconds in all."""
+def _read_word(fd: int, limit_s: float) -> str | None:
+    """Everything the child writes to ``fd`` before it closes it (``fd`` closed after), or None when it has not
+    closed it within ``limit_s`` seconds."""
     import select
 
     deadline, chunks = time.monotonic() + limit_s, []
@@ -132,7 +124,7 @@ def _read_word(fd: int, limit_s: float) -> str:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return b"".join(chunks).decode() or f"no port within {limit_s:g} s"
+                return None
             chunk = os.read(fd, 512)
             if not chunk:
                 return b"".join(chunks).decode()
