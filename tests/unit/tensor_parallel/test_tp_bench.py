@@ -25,6 +25,10 @@ def fake_megatron(tmp_path, monkeypatch, core_body: str) -> None:
     (tmp_path / "megatron" / "core" / "__init__.py").write_text(core_body)
     for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
         monkeypatch.delitem(sys.modules, name)
+    # the fake package the test imports must not outlive it: a later importorskip("megatron.core...") found it in
+    # sys.modules and failed with its error (seen when test_topology ran after this file)
+    monkeypatch.setitem(sys.modules, "megatron", None)  # undone first: removes whatever "megatron" is then
+    del sys.modules["megatron"]
     monkeypatch.syspath_prepend(str(tmp_path))
 
 
