@@ -1,11 +1,12 @@
-"""The DeepSpeed engine computes what one process computes: per-step losses of every CPU layout, launched
+"""The DeepSpeed engine computes what one process computes: per-step losses of CPU layouts, launched
 by the real ``deepspeed`` launcher, equal ``python train.py --recipe cpu_single`` (fp32, rtol 1e-4), and a
 run saved at step 5 and resumed gives steps 6-10 of the uninterrupted run.
 
 Each layout runs its 10 steps in one launch, compared with the reference's uninterrupted 10 steps; cpu_tp2_pp2
 runs as two (steps 1-5 then --save; --resume then steps 6-10: train.py's resume under the real launcher). Resumes
-across layouts and back ends are tests/dist/test_checkpoint_matrix.py's.
-For one pipeline layout and one tensor x data layout every rank writes its losses: they are the same float.
+across layouts and back ends are tests/dist/test_checkpoint_matrix.py's; the layouts that in-process spawns already
+hold to one process are not launched again (:data:`IN_PROCESS_ELSEWHERE`).
+For tensor x pipeline and for pipeline x data every rank writes its losses: they are the same float.
 
 bf16 (one layout, pp2 x dp2 at ZeRO-1) is compared with a bf16 one-process run at the same ZeRO stage, at
 rtol 5e-3. Measured here over 10 steps against that reference: max relative difference 7.8e-4 for pp2 x dp2,
@@ -28,8 +29,17 @@ need("deepspeed")
 
 STEPS, SAVE_AT, RTOL, BF16_RTOL = 10, 5, 1e-4, 5e-3
 
-LAYOUTS = PARITY_LAYOUTS
-EVERY_RANK = {"cpu_pp2_dp2", "cpu_tp2_dp2"}  # these launches also check that each rank reports the same loss
+# Not launched here: DeepSpeed's engine on the data-parallel stages and on tensor x data and pipeline x data at ZeRO-1,
+# whose parity with one process in-process spawns already check, with the launcher's part the same for every layout
+# (the README's suite launches two layouts): the shipped cpu_dp4 (ZeRO-1), cpu_tp2_dp2 and cpu_pp2_dp2 in
+# tests/dist/test_checkpoint_matrix.py (README's suite: 8 steps, rel 1e-5, 1e-4 through tensor), with cpu_tp2_sp_pp2
+# (tensor x sequence x pipeline); ZeRO-0, -1, -2 at dp4, pp2 x dp2 and tp2 x dp2 in tests/dist/test_optimizer_parity.py
+# (slow step: SGD with momentum, weight decay and clipping that acts, rel 1e-5 / 1e-4). What these launches added,
+# every rank reporting the same loss, is checked on tensor x pipeline and on pipeline x data.
+IN_PROCESS_ELSEWHERE = {"cpu_dp4_zero0", "cpu_dp4_zero1", "cpu_dp4_zero2", "cpu_tp2_dp2", "cpu_pp2_dp2",
+                        "cpu_tp2_sp_pp2"}
+LAYOUTS = {name: layout for name, layout in PARITY_LAYOUTS.items() if name not in IN_PROCESS_ELSEWHERE}
+EVERY_RANK = {"cpu_tp2_pp2", "cpu_pp2_dp2_zero0"}  # these launches also check that each rank reports the same loss
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +73,10 @@ SPLIT = {"cpu_tp2_pp2"}
 
 
 # The README's suite keeps the two layouts that cover the most engine paths (tensor x pipeline: PipelineModule, the
-# mpu, the resume under the launcher; ZeRO-3); the other seven run in the slow step (-m slow, also in .ci/run). Every
-# layout's parity with one process and its resumes across layouts and back ends stay in the README's suite through
-# tests/dist/test_checkpoint_matrix.py (one spawn, DeepSpeed's engine built in-process).
+# mpu, the resume under the launcher; ZeRO-3); cpu_pp2_dp2_zero0 (DeepSpeed's clipping without ZeRO, on its pipeline)
+# runs in the slow step (-m slow, also in .ci/run). Every layout's parity with one process and its resumes across
+# layouts and back ends stay in the README's suite through tests/dist/test_checkpoint_matrix.py (one spawn,
+# DeepSpeed's engine built in-process).
 README_SUITE = {"cpu_tp2_pp2", "cpu_zero3_dp4"}
 
 
@@ -93,6 +104,7 @@ def test_layout_matches_single_process_and_resumes(name, reference, tmp_path):
     assert_same_losses(second.losses, reference, range(SAVE_AT + 1, STEPS + 1), second.log())
 
 
+@pytest.mark.slow  # train.py's resume stays in the README's suite under the launcher (cpu_tp2_pp2's two halves)
 def test_reference_resumes_itself(reference, tmp_path):
     ckpt = tmp_path / "ckpt"
     train("cpu_single", 1, tmp_path, launcher="python", steps=SAVE_AT, extra=["--save", ckpt])

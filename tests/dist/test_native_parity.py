@@ -14,9 +14,9 @@ are the spawned engines' (tests/dist/test_native_engine.py) and the checkpoint m
 Where it runs (marker ``nods``: .ci/run's venv without deepspeed runs what differs there): without deepspeed,
 ``"auto"`` recipes train on the native back end, so cpu_single itself does, and one layout per family goes through
 both launchers: Accelerate's DDP (cpu_dp4 at ZeRO-0), FSDP2 (cpu_zero3_dp4) and tensor x pipeline (cpu_tp2_pp2).
-With deepspeed installed (the README's suite), recipes forced native by their ``launcher`` field: tp2 x pp2 split
-over the two launchers, and ZeRO-1 under accelerate launch (Accelerate's DeepSpeed plugin) with its save/resume, and
-with accumulation (slow); FSDP2's launches are the nods step's alone.
+With deepspeed installed (the README's suite): ZeRO-1 under accelerate launch (Accelerate's DeepSpeed plugin) with
+its save/resume, and with accumulation (slow); FSDP2's and tensor x pipeline's launches are the nods step's alone
+(the same native launches: with deepspeed they only repeated them, forced native by the recipe's ``launcher``).
 
 Also here: Accelerate's bf16 (DDP under autocast), equal to the native back end's bf16 and near fp32 (a measured
 tolerance; slow); ``accelerate launch`` where deepspeed is installed but transformers is not (the README's
@@ -60,8 +60,9 @@ ACCELERATE_ENGINE = {"cpu_dp4_zero0"}
 # for a single uninterrupted run).
 # FSDP2 (cpu_zero3_dp4) under both launchers is the nods step's alone: the same native launches as here, where the
 # README suite has FSDP2's numerics in the spawned engine tests and the checkpoint matrix
+# cpu_tp2_pp2 (torchrun, then accelerate launch) is the nods step's alone: the same two native launches as here, where
+# the README's suite ran them a second time forced native by the recipe's launcher field.
 SUBSET_WITH_DEEPSPEED = {
-    "cpu_tp2_pp2": ("torchrun", ("torchrun", "accelerate")),
     "cpu_dp4_zero1": ("auto", ("accelerate", "accelerate")),  # Accelerator + its DeepSpeed plugin
     "cpu_dp4_zero1_accum2": ("auto", ("accelerate",)),  # the same, accumulating 2 micro-batches in DeepSpeed
 }
