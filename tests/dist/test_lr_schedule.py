@@ -135,6 +135,7 @@ def test_deepspeed_then_native_across_layouts_and_back_ends(reference, tmp_path)
     assert_like_reference(second, ref, range(SAVE_AT + 1, STEPS + 1))
 
 
+@pytest.mark.slow  # the schedule across back ends and a resume stays in the README's suite (the test above)
 def test_accelerate_follows_the_same_schedule(reference, tmp_path):
     need("accelerate")
     _, ref, _ = reference

@@ -1,5 +1,6 @@
 """A launched world that does not fit the recipe: every rank refuses on its own, before any process group or
-back end exists, so this runs in both venvs (with and without deepspeed)."""
+back end exists, with or without deepspeed installed. .ci/run's slow step runs it; the refusal under torchrun and
+under deepspeed's launcher is the README suite's (test_native_parity, test_deepspeed_parity)."""
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.native]
 CEILING_S = 60
 
 
+@pytest.mark.slow  # the refusal under torchrun and under deepspeed's launcher stays in the README's suite
 def test_world_size_mismatch_exits_on_each_plain_process(tmp_path):
     """No launcher to stop the others: two processes started by hand (RANK, WORLD_SIZE, ... set here) with a
     recipe for four. Each must exit non-zero on its own, not wait for its peers (within :data:`CEILING_S`), and

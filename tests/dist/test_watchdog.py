@@ -299,7 +299,7 @@ def test_sigstop_one_rank_stops_the_job_and_names_it(recipes):
 
 
 @pytest.mark.deepspeed
-@pytest.mark.slow  # a guard case beyond the README suite's (sigstop, killed rank, pre-flight layout, store)
+@pytest.mark.slow  # a guard case beyond the README suite's (sigstop, pre-flight layout, store)
 def test_deepspeed_pipeline_with_rank_0_stopped_ends_and_leaves_no_shm(recipes):
     """deepspeed launcher, DeepSpeed's pipeline engine, tensor 2 x pipeline 2: rank 0 (it hosts the rendezvous store;
     the guard's store is its forked child's) stopped after step 3. The report names it, the guard ends it, the
@@ -334,6 +334,7 @@ def _assert_torchrun_codes(run: Watched, world: int, held: int) -> None:
     assert all(c in (EXIT_HUNG, -signal.SIGTERM) for r, c in codes.items() if r != held), run.log()
 
 
+@pytest.mark.slow  # the README's suite keeps the stopped rank (SIGSTOP), the layout check and the bounded store
 def test_a_killed_rank_is_named_where_no_launcher_stops_the_others(recipes):
     """By hand (nothing stops the survivor): rank 0 killed with SIGKILL; gloo's closed connection reaches rank 1's
     guard, which names rank 0 dead, through the store the child of rank 0 still serves; the child leaves after."""
@@ -349,7 +350,7 @@ def test_a_killed_rank_is_named_where_no_launcher_stops_the_others(recipes):
     assert run.ended is not None and run.ended <= CEILING_S and not run.left, run.log()
 
 
-@pytest.mark.slow  # a guard case beyond the README suite's (sigstop, killed rank, pre-flight layout, store)
+@pytest.mark.slow  # a guard case beyond the README suite's (sigstop, pre-flight layout, store)
 def test_a_stopped_store_host_stops_the_job_and_names_rank_0(recipes):
     """By hand: rank 0 and the store child it forked stopped (the store's host frozen): the store answers nobody, so
     there is no report, and rank 1's guard gives up on the store after timeout_s and names rank 0."""
@@ -364,7 +365,7 @@ def test_a_stopped_store_host_stops_the_job_and_names_rank_0(recipes):
     assert _hand_codes(run)[1] == EXIT_HUNG and run.gone.get(1, 1e9) <= CEILING_S, log
 
 
-@pytest.mark.slow  # a guard case beyond the README suite's (sigstop, killed rank, pre-flight layout, store)
+@pytest.mark.slow  # a guard case beyond the README suite's (sigstop, pre-flight layout, store)
 def test_a_wrong_master_address_is_named_by_the_pre_flight(recipes):
     """By hand: rank 1 given a master address that does not resolve. Before step 1 and its group, rank 0 names rank 1
     as the rank that never reached the rendezvous, and rank 1 names the address it could not reach."""
@@ -380,7 +381,7 @@ def test_a_wrong_master_address_is_named_by_the_pre_flight(recipes):
     assert all(c != 0 for c in _hand_codes(run)) and run.ended is not None and not run.left, log
 
 
-@pytest.mark.slow  # a guard case beyond the README suite's (sigstop, killed rank, pre-flight layout, store)
+@pytest.mark.slow  # a guard case beyond the README suite's (sigstop, pre-flight layout, store)
 def test_a_pre_flight_group_that_does_not_complete_stops_the_job(recipes):
     """torchrun, tensor 2 x data 2: rank 3 stalls (alive, beating) before the tensor group's pre-flight all-reduce;
     rank 2 waits in it for min(timeout_s, 60), and the job stops before step 1, the group and rank 3 named."""
