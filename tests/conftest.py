@@ -8,6 +8,8 @@ suites and staying green. :func:`tests.dist.needs.need` applies the same rule in
 list is Slurm's daemons and commands (:func:`tests.dist.needs.unavailable`): the Slurm tests then fail where it cannot
 run instead of skipping.
 """
+import os
+
 import pytest
 
 from tests.dist.needs import required, unavailable
@@ -19,3 +21,44 @@ def pytest_sessionstart(session):
         raise pytest.UsageError(f"PLUGIN_REQUIRE lists what cannot be had here: "
                                 f"{', '.join(f'{name} ({unavailable(name)})' for name in missing)} "
                                 "-> install them, or drop them from PLUGIN_REQUIRE")
+
+
+# DeepSpeed compiles its CPU shared-memory all-reduce op (csrc/cpu/comm/shm.cpp) the first time a process starts its
+# comm on a machine: 37 s of wall time here (64 s of CPU), charged to whichever DeepSpeed test comes first. The unit
+# tests run first (testpaths in pyproject.toml) and mostly leave one of the two cores idle: the build goes there.
+# A later DeepSpeed start waits on the build's lock (torch's FileBaton) and then loads the result. The build runs in
+# a session of its own and is never killed (a build killed half-way leaves that lock behind, and every later
+# DeepSpeed start waits on it forever).
+_SHM_OP_BUILD = """
+from deepspeed.accelerator import get_accelerator
+get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+"""
+
+
+def _deepspeed_shm_op_built() -> bool:
+    import sys
+    from pathlib import Path
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "torch_extensions")
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+    return (Path(root) / tag / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").exists()
+
+
+def pytest_configure(config):
+    import importlib.util
+    import subprocess
+    import sys
+
+    if (os.environ.get("PYTEST_XDIST_WORKER") or importlib.util.find_spec("deepspeed") is None
+            or _deepspeed_shm_op_built() or config.option.collectonly):
+        return
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    config._plugin_shm_op_build = subprocess.Popen(  # noqa: SLF001 - this conftest's own attribute
+        [sys.executable, "-c", _SHM_OP_BUILD], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def pytest_unconfigure(config):
+    build = getattr(config, "_plugin_shm_op_build", None)
+    if build is not None:
+        build.wait()  # seconds at most by now; a session that ends before it finishes waits rather than kill it
