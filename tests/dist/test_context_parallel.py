@@ -158,6 +158,7 @@ def test_context_2_by_ring_and_all_to_all_trains_one_process_weights_and_resumes
                                                 dtype=torch.float64), **TOL)
 
 
+@pytest.mark.slow  # context 2 by both methods, on DeepSpeed and on transformers families stays in the README suite
 def test_context_4_and_context_with_tensor_data_zero3_and_pipeline_train_one_process_losses():
     results = run(_wide, 4, timeout_s=400)
     for name, (par, method, blocks, _) in WIDE.items():

@@ -125,6 +125,7 @@ def test_bf16_layout_matches_single_process_bf16(tmp_path):
     assert_same_losses(got.losses, ref.losses, range(1, STEPS + 1), got.log(), rtol=BF16_RTOL)
 
 
+@pytest.mark.slow  # the same check before any group as under torchrun (test_native_parity, the README's suite)
 def test_world_size_mismatch_exits_on_every_rank_without_hanging(tmp_path):
     run = train("cpu_dp4", 2, tmp_path, steps=1, expect_ok=False, timeout=120)
     assert run.returncode != 0, run.log()

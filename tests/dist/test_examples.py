@@ -129,7 +129,7 @@ def test_lenet_bf16_zero1_under_accelerate_launch(tmp_path):
 
 
 @pytest.mark.parametrize("launcher", [pytest.param("deepspeed", marks=[pytest.mark.deepspeed, pytest.mark.slow]),
-                                      pytest.param("torchrun", marks=pytest.mark.native),
+                                      pytest.param("torchrun", marks=[pytest.mark.native, pytest.mark.slow]),
                                       pytest.param("accelerate", marks=[pytest.mark.native, pytest.mark.slow])])
 def test_hf_llama_example_trains_tp2_pp2_on_local_data(launcher, tmp_path):
     """examples/hf_llama.py: a transformers Llama from a config, the shipped JSONL through engine.dataloader (dict

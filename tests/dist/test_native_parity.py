@@ -14,9 +14,10 @@ are the spawned engines' (tests/dist/test_native_engine.py) and the checkpoint m
 Where it runs (marker ``nods``: .ci/run's venv without deepspeed runs what differs there): without deepspeed,
 ``"auto"`` recipes train on the native back end, so cpu_single itself does, and one layout per family goes through
 both launchers: Accelerate's DDP (cpu_dp4 at ZeRO-0), FSDP2 (cpu_zero3_dp4) and tensor x pipeline (cpu_tp2_pp2).
-With deepspeed installed (the README's suite): ZeRO-1 under accelerate launch (Accelerate's DeepSpeed plugin) with
-its save/resume, and with accumulation (slow); FSDP2's and tensor x pipeline's launches are the nods step's alone
-(the same native launches: with deepspeed they only repeated them, forced native by the recipe's ``launcher``).
+With deepspeed installed (the README's suite): ZeRO-1 under accelerate launch (Accelerate's DeepSpeed plugin)
+accumulating 2 micro-batches, and its save/resume (slow); FSDP2's and tensor x pipeline's launches are the nods
+step's alone (the same native launches: with deepspeed they only repeated them, forced native by the recipe's
+``launcher``).
 
 Also here: Accelerate's bf16 (DDP under autocast), equal to the native back end's bf16 and near fp32 (a measured
 tolerance; slow); ``accelerate launch`` where deepspeed is installed but transformers is not (the README's
@@ -140,7 +141,9 @@ def whole_run(name, recipe, launcher, reference, tmp_path, norms=None):
     assert_same_losses(run, reference, range(1, STEPS + 1), norms)
 
 
-SLOW = {"cpu_dp4_zero1_accum2"}  # Accelerate's DeepSpeed plugin accumulating: beyond its save/resume (cpu_dp4_zero1)
+# Accelerate's DeepSpeed plugin: the README's suite runs it accumulating in one launch; its save and resume under
+# accelerate launch (two launches) is the slow step's
+SLOW = {"cpu_dp4_zero1"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.nods) if n in WITHOUT_DEEPSPEED_LAYOUTS else
