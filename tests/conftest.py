@@ -24,11 +24,12 @@ def pytest_sessionstart(session):
 
 
 # DeepSpeed compiles its CPU shared-memory all-reduce op (csrc/cpu/comm/shm.cpp) the first time a process starts its
-# comm on a machine: 37 s of wall time here (64 s of CPU), charged to whichever DeepSpeed test comes first. The unit
-# tests run first (testpaths in pyproject.toml) and mostly leave one of the two cores idle: the build goes there.
-# A later DeepSpeed start waits on the build's lock (torch's FileBaton) and then loads the result. The build runs in
-# a session of its own and is never killed (a build killed half-way leaves that lock behind, and every later
-# DeepSpeed start waits on it forever).
+# comm on a machine: 37 s of wall time here (64 s of CPU), charged to whichever DeepSpeed test comes first (a worker
+# held that long). Here it starts with the session, beside the unit tests (testpaths in pyproject.toml puts them
+# first), which start no DeepSpeed comm; a DeepSpeed start that comes before it is done waits on the build's lock
+# (torch's FileBaton) and then loads the result. A session that ends sooner waits for it (a fresh machine only). The
+# build runs in a session of its own and is never killed (a build killed half-way leaves that lock behind, and every
+# later DeepSpeed start waits on it forever).
 _SHM_OP_BUILD = """
 from deepspeed.accelerator import get_accelerator
 get_accelerator().create_op_builder("ShareMemCommBuilder").load()
@@ -61,4 +62,4 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     build = getattr(config, "_plugin_shm_op_build", None)
     if build is not None:
-        build.wait()  # seconds at most by now; a session that ends before it finishes waits rather than kill it
+        build.wait()  # never killed (above)
