@@ -262,7 +262,12 @@ def spec_from_dict(data: Mapping[str, Any], name: str = "model",
                               "give layers, hidden, heads, vocab and seq_len")]
     known = set(_INT_FIELDS) | set(_CHOICES) | set(_BOOLS) | set(_IGNORED) | {"dropout"}
     for key in data:
-        if key not in known:
+        if key == "moe":  # a valid recipe's block, which the search does not rank yet: say so, not "unknown key"
+            problems.append(Problem(f"{where}.moe", "plan does not search the layouts of a mixture-of-experts model "
+                                    "yet (its expert degree, and the ZeRO stages and pipelines MoE layers reach)",
+                                    "estimate the recipe at its layout instead: python -m plugin estimate "
+                                    "RECIPE.json counts each rank's experts at its expert degree"))
+        elif key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             problems.append(Problem(f"{where}.{key}", f"unknown key {key!r}",
                                     f"did you mean {close[0]!r}?" if close else "allowed: " + ", ".join(sorted(known))))

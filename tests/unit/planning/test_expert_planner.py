@@ -52,3 +52,25 @@ def test_all_to_all_bytes_per_moe_block():
     assert terms["expert_gradient_allreduce"].group == "expert_data"
     assert "expert_all_to_all" not in {t.name for t in communication_per_rank(SPEC, Setup(dp=8))}
     assert dict(step_time(SPEC, setup).terms)["expert_communication"] > 0
+
+
+def test_plan_refuses_a_moe_recipe_by_name_with_the_way_round_it(tmp_path):
+    """A MoE recipe validates, and plan does not rank MoE layouts yet: it says so (not "unknown key 'moe'")."""
+    import json
+
+    from plugin.errors import RecipeError
+    from plugin.planning.presets import resolve_model
+    from plugin.recipe.checks import load_recipe
+    from plugin.recipe.load import find_recipe
+
+    data = json.loads(find_recipe("cpu_dp4").read_text())
+    data.pop("$schema", None)
+    data["model"]["moe"] = {"experts": 8, "top_k": 2, "every": 2, "ffn_hidden": 64}
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps(data))
+    assert load_recipe(str(path)).model.moe is not None
+    with pytest.raises(RecipeError) as caught:
+        resolve_model(path)
+    text = str(caught.value)
+    assert "$.model.moe: plan does not search the layouts of a mixture-of-experts model yet" in text, text
+    assert "python -m plugin estimate RECIPE.json" in text and "unknown key" not in text, text
