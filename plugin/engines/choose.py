@@ -63,19 +63,18 @@ def accelerate_mode(recipe, *, cuda: bool, has_deepspeed: bool, has_transformers
 
 
 def native_only(recipe) -> str | None:
-    """Why only the native back end can train ``recipe`` (None: any can): the reference GPT's MoE layers over more
-    than one data rank, or with the sigmoid router, are placed, dispatched and balanced by the native back end alone
-    (:mod:`plugin.expert_parallel`; the others refuse them), so ``"launcher": "auto"`` resolves to it and launch.sh
-    to torchrun instead of starting a launcher whose processes would refuse the recipe."""
+    """Why only the native back end can train ``recipe`` (None: any can): its reference GPT's MoE layers reach what
+    :func:`plugin.expert_parallel.checks.moe_native_only` says only the native back end reaches, so ``"launcher":
+    "auto"`` resolves to it and launch.sh to torchrun instead of starting a launcher whose processes would refuse
+    the recipe."""
     moe = recipe.model.moe if recipe.model is not None else None
     if moe is None:
         return None
     par = recipe.parallelism
-    if moe.router == "sigmoid":
-        return "MoE layers with the sigmoid router: its bias update is the native back end's"
-    if par.expert > 1 or par.data == "auto" or par.data * par.context > 1:
-        return "MoE layers over more than one data rank: their expert groups and balancing are the native back end's"
-    return None
+    from ..expert_parallel.checks import moe_native_only
+
+    reasons = moe_native_only(moe.router, par.expert, None if par.data == "auto" else par.data * par.context)
+    return reasons.get("router") or reasons.get("spread")
 
 
 def choose(recipe, *, environ: Mapping[str, str], has_deepspeed: bool, cuda: bool,

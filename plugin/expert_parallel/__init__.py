@@ -6,8 +6,21 @@ exchange counts, all-to-all there and back, combine), ``comm`` (the autograd col
 experts, mark their parameters), ``aux`` (the load-balancing losses added to the training loss), ``grads`` (the
 experts' gradients reduced over the expert-data group).
 """
-from .apply import apply_expert_parallel, is_expert_param
-from .aux import moe_layers, update_router_biases, with_aux_losses
-from .layer import MoE
+from __future__ import annotations
 
-__all__ = ["MoE", "apply_expert_parallel", "is_expert_param", "moe_layers", "update_router_biases", "with_aux_losses"]
+import importlib
+
+# name -> module that defines it, loaded on first use (PEP 562): ``checks`` is pure (no torch), and the back-end choice
+# (plugin.engines.choose, on paths that only read a recipe) imports it without loading the torch modules below.
+_LAZY = {"MoE": "layer", "apply_expert_parallel": "apply", "is_expert_param": "apply", "moe_layers": "aux",
+         "update_router_biases": "aux", "with_aux_losses": "aux"}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

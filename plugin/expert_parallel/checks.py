@@ -7,6 +7,22 @@ from __future__ import annotations
 from ..errors import Problem
 
 
+def moe_native_only(router: str | None, expert: int, data_ranks: int | None) -> dict[str, str]:
+    """What of MoE layers only the native back end reaches (empty: any back end), the one statement of that rule:
+    ``"router"`` for the sigmoid router (its bias update after each step), ``"spread"`` for layers over more than one
+    data rank (``expert`` > 1, or ``data_ranks`` = data x context above 1, or None: ``"auto"``, known at the launch),
+    whose expert groups and load-balancing statistics :mod:`plugin.expert_parallel` builds on the native back end.
+    :func:`plugin.engines.choose.native_only` picks the back end by it, :func:`check_expert_reach` refuses the
+    others by it."""
+    out = {}
+    if router == "sigmoid":
+        out["router"] = "MoE layers with the sigmoid router: its bias update is the native back end's"
+    if expert > 1 or data_ranks is None or data_ranks > 1:
+        out["spread"] = ("MoE layers over more than one data rank: their expert groups and balancing are the native "
+                         "back end's")
+    return out
+
+
 def check_expert_reach(recipe, layout, backend: str, moe_layers: int, family: str | None = None,
                        ep_plan: bool = False) -> list[Problem]:
     """Problems (JSON path, what, fix) for ``recipe`` at ``layout`` on ``backend``, the model holding ``moe_layers``
@@ -23,14 +39,15 @@ def check_expert_reach(recipe, layout, backend: str, moe_layers: int, family: st
                            'parallelism and ZeRO), or use the reference GPT with "model": {"moe": {...}}'))
     if moe_layers == 0:
         return out
-    spread = layout.data * layout.context > 1 or e > 1
-    if backend != "native" and spread:
+    moe = recipe.model.moe if recipe.model is not None else None
+    native = {} if backend == "native" else moe_native_only(moe.router if moe is not None else None, e,
+                                                              layout.data * layout.context)
+    if "spread" in native:
         out.append(Problem("$.parallelism.expert" if e > 1 else "$.model.moe", f"MoE layers on the {backend} back end "
                            "over more than one data rank: its expert groups and the load-balancing statistics over "
                            "data x context are not reached there yet", 'use the native back end ("launcher": '
                            '"torchrun")'))
-    moe = recipe.model.moe if recipe.model is not None else None
-    if moe is not None and moe.router == "sigmoid" and backend != "native":
+    if "router" in native:
         out.append(Problem("$.model.moe.router", f'the "sigmoid" router on the {backend} back end: its bias update '
                            "after each step is the native back end's (not reached there yet)",
                            'use the native back end ("launcher": "torchrun"), or "router": "softmax"'))

@@ -33,7 +33,7 @@ SHARED = {"plugin.errors"}
 PURE_PACKAGES = ["plugin.recipe", "plugin.interop", "plugin.planning", "plugin.elastic", "plugin.job", "plugin.launch",
                  "plugin.cli"]
 PURE_MODULES = ["plugin.errors", "plugin.distributed.topology", "plugin.distributed.env", "plugin.engines.choose",
-                "plugin.engines.model_checks",
+                "plugin.engines.model_checks", "plugin.expert_parallel", "plugin.expert_parallel.checks",
                 "plugin.dryrun", "plugin.dryrun.ranks", "plugin.dryrun.args", "plugin.dryrun.checks",
                 "plugin.dryrun.report",
                 "plugin.checkpoint.directory", "plugin.checkpoint.manifest", "plugin.checkpoint.writeback",
