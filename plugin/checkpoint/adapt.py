@@ -77,6 +77,12 @@ def pieces_of(t: torch.Tensor, global_shape, layout: TensorLayout, tp_rank: int,
     return compose(held, tp_segments(tuple(t.shape), global_shape, layout, tp_rank, tp_size))
 
 
+def boxed_pieces(t: torch.Tensor, boxed) -> list[Piece]:
+    """An expert rank's box of a whole tensor (``boxed``: its offsets there), held whole or as an FSDP2 shard."""
+    held = dtensor_held(t) if _is_dtensor(t) else whole_held(t.detach())
+    return [Piece(tuple(b + o for b, o in zip(boxed, off, strict=True)), view) for off, view in held]
+
+
 def same_layout_key(engine) -> str:
     d = engine.describe()
     return (f"{engine.backend}-w{engine.topology.world_size if hasattr(engine.topology, 'world_size') else '?'}"
@@ -113,7 +119,7 @@ def local_state(engine, *, for_load: bool, manifest: dict | None = None) -> Loca
     for name, p in params.items():
         shape, dtype = index[name]
         boxed = getattr(p, "global_offsets", None)  # one box of the global tensor (an expert rank's experts)
-        pieces = [Piece(tuple(boxed), p.detach())] if boxed is not None else custom(name, p, shape, None) if custom \
+        pieces = boxed_pieces(p, boxed) if boxed is not None else custom(name, p, shape, None) if custom \
             else pieces_of(p, shape, layouts.get(name, TensorLayout()), tp_rank, tp_size)
         entries[name] = Entry(shape, dtype if custom is None else torch.float32, pieces)
     # a checkpoint saved before the optimizer ever stepped (fp16 whose first steps all overflowed) holds no states:
@@ -145,7 +151,7 @@ def local_state(engine, *, for_load: bool, manifest: dict | None = None) -> Loca
                         entries[full] = Entry((), v.dtype, [Piece((), local)], "optim", name, key)
                     else:
                         boxed = getattr(p, "global_offsets", None)
-                        pieces = [Piece(tuple(boxed), v)] if boxed is not None else custom(name, v, shape, key) \
+                        pieces = boxed_pieces(v, boxed) if boxed is not None else custom(name, v, shape, key) \
                             if custom else pieces_of(v, shape, layouts.get(name, TensorLayout()), tp_rank, tp_size)
                         entries[full] = Entry(shape, v.dtype, pieces, "optim", name, key)
     extra = None if fresh else getattr(engine, "checkpoint_extra", None)

@@ -91,6 +91,12 @@ def clip_by_global_norm(params: list[torch.nn.Parameter], max_norm: float, **nor
     """
     norm = global_grad_norm(params, **norm_args)
     if max_norm > 0:
-        grads = [p for p in params if p.grad is not None]
-        clip_grads_with_norm_(grads, max_norm, norm.to(grads[0].grad.device) if grads else norm)
+        # one call per DTensor mesh: torch's foreach kernels refuse DTensors of two meshes in one list (FSDP2's
+        # experts over the expert-data group, the rest over data x context)
+        by_mesh: dict[int, list] = {}
+        for p in params:
+            if p.grad is not None:
+                by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p)
+        for grads in by_mesh.values():
+            clip_grads_with_norm_(grads, max_norm, norm.to(grads[0].grad.device))
     return norm

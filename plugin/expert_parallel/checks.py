@@ -1,7 +1,8 @@
 """What the expert axis reaches today, checked before any process group: the reference GPT's MoE layers
-(:class:`.layer.MoE`) on the native back end at ZeRO-0 (DDP), with tensor and context parallelism, without pipeline
-stages. Everything else with an expert axis (or with MoE layers whose load-balancing statistics need the groups) is
-refused by name here, so that nothing trains differently from one process."""
+(:class:`.layer.MoE`) on the native back end at ZeRO 0-3 (DDP, ZeroRedundancyOptimizer, FSDP2: the experts over the
+expert-data group), with tensor and context parallelism, without pipeline stages. Everything else with an expert
+axis (or with MoE layers whose load-balancing statistics need the groups) is refused by name here, so that nothing
+trains differently from one process."""
 from __future__ import annotations
 
 from ..errors import Problem
@@ -55,11 +56,6 @@ def check_expert_reach(recipe, layout, backend: str, moe_layers: int, family: st
         out.append(Problem("$.parallelism.pipeline", f"MoE layers with pipeline {layout.pipeline}: the load-balancing "
                            "losses of stages before the last would not reach the loss (not reached yet)",
                            'use "pipeline": 1 with MoE layers'))
-    if e > 1 and recipe.zero.stage > 0:
-        out.append(Problem("$.zero.stage", f"ZeRO stage {recipe.zero.stage} with expert {e}: the experts' optimizer "
-                           "states and gradients would be partitioned over data x context, where the experts differ "
-                           "(partitioning over the expert-data group is not reached yet)",
-                           'use "stage": 0 (DDP over data x context, the experts over the expert-data group)'))
     if recipe.tensor_parallel.sequence_parallel and layout.tensor > 1:
         out.append(Problem("$.tensor_parallel.sequence_parallel", "sequence parallelism with MoE layers: each tensor "
                            "rank would route a different slice of the tokens (not reached yet)",

@@ -49,10 +49,17 @@ LAYOUTS = {  # name -> (parallelism, moe overrides, forced expert, rtol)
     # no expert axis: the experts split over the tensor group only, and sharded with the rest by ZeRO
     "tensor2_split_experts": ({"data": 2, "tensor": 2}, {}, None, 1e-4),
     "zero3_moe": ({"data": 4, "zero_stage": 3}, {}, None, 1e-5),  # FSDP2
-
+    # the expert axis under ZeRO: the experts' states (ZeRO-1: ZeroRedundancyOptimizer; edp 1: a plain optimizer) or
+    # their gradients and states too (ZeRO-2/3: their own FSDP2 units) over the expert-data group, the rest over data
+    "expert2_zero1": ({"data": 4, "expert": 2, "zero_stage": 1}, {}, None, 1e-5),
+    "expert4_zero1": ({"data": 4, "expert": 4, "zero_stage": 1}, {}, None, 1e-5),
+    "expert2_zero2": ({"data": 4, "expert": 2, "zero_stage": 2}, {}, None, 1e-5),
+    "expert2_zero3": ({"data": 4, "expert": 2, "zero_stage": 3}, {}, None, 1e-5),
+    "expert2_tensor2_zero3_meta": ({"data": 2, "tensor": 2, "expert": 2, "zero_stage": 3}, {}, None, 1e-4),
 }
 REFUSED = {  # before any group, on every rank: what the axis does not reach yet
-    "zero1": ({"data": 4, "expert": 2}, {"zero": {"stage": 1}}, "$.zero.stage"),
+    "sequence_parallel": ({"data": 2, "tensor": 2, "expert": 2}, {"tensor_parallel": {"sequence_parallel": True}},
+                          "$.tensor_parallel.sequence_parallel"),
     "pipeline": ({"data": 2, "pipeline": 2, "expert": 2}, {"batch": {"global": 16, "micro": 2, "grad_accum": 4}},
                  "$.parallelism.pipeline"),
     "deepspeed": ({"data": 4, "expert": 2}, {"launcher": "deepspeed"}, "$.parallelism.expert"),
@@ -199,15 +206,20 @@ def _layouts(rank, world, path, directory):
     return out
 
 
+CHAIN = ((2, 3, (0, 1), None, "e2"), (1, 0, (2,), "e2", "e1"), (2, 1, (3,), "e1", "e2z1"), (4, 2, (4,), "e2z1", None))
+
+
 def _checkpoints(reference, directory):
-    """Expert 2 trains 2 steps and saves; expert 1 loads it and trains step 3, saves; expert 4 loads that and trains
-    step 4: each step's loss and norm one process's (the experts' momentum buffers travel with them)."""
+    """Expert 2 at ZeRO-3 trains 2 steps and saves (FSDP2 shards of the experts); expert 1 at ZeRO-0 loads it and
+    trains step 3, saves; expert 2 at ZeRO-1 (the experts' states partitioned over the expert-data group) loads that,
+    trains step 4, saves; expert 4 at ZeRO-2 loads it and trains step 5: each step's loss and norm one process's
+    (the experts' momentum buffers travel with them)."""
     import plugin
     from plugin.data.text import TextBatches
 
     got = []
-    for expert, steps, load, save in ((2, (0, 1), None, "e2"), (1, (2,), "e2", "e1"), (4, (3,), "e1", None)):
-        recipe = _recipe({"data": 4, "expert": expert}, {})
+    for expert, stage, steps, load, save in CHAIN:
+        recipe = _recipe({"data": 4, "expert": expert, "zero_stage": stage}, {})
         engine = plugin.initialize(_model(recipe, None), recipe, backend="native")
         if load:
             engine.load(f"{directory}/{load}")
@@ -220,7 +232,7 @@ def _checkpoints(reference, directory):
     ref_losses, ref_norms = reference[0], reference[1]
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
                                torch.tensor(list(zip(ref_losses, ref_norms, strict=True)), dtype=torch.float64),
-                               rtol=1e-5, atol=1e-6, msg=lambda m: f"expert 2 -> 1 -> 4 checkpoints: {m}")
+                               rtol=1e-5, atol=1e-6, msg=lambda m: f"expert 2 -> 1 -> 2 -> 4 checkpoints: {m}")
     return got
 
 
@@ -228,7 +240,7 @@ def test_expert_layouts_train_one_process_losses_gradients_and_weights(tmp_path)
     references = {name: _reference(_recipe(par, moe), forced) for name, (par, moe, forced, _) in LAYOUTS.items()}
     for name, (_, norms, _, _) in references.items():
         assert min(norms) > CLIP, f"{name}: the clipping must act: gradient norms {norms} against {CLIP}"
-    references["chain"] = _reference(_recipe({"data": 4, "expert": 2}, {}), None, steps=4)
+    references["chain"] = _reference(_recipe({"data": 4, "expert": 2}, {}), None, steps=5)
     torch.save(references, tmp_path / "references.pt")  # a file: tensors passed as arguments would travel as fds
     results = run(_layouts, 4, str(tmp_path / "references.pt"), str(tmp_path), timeout_s=120)
     for name in LAYOUTS:
@@ -241,5 +253,6 @@ def test_expert_layouts_train_one_process_losses_gradients_and_weights(tmp_path)
     assert results[1]["expert2_edp2"]["ranks"] == ((0, 1), (1, 3))
     moved = references["expert2_sigmoid_bias"][3]["blocks.1.moe.score_bias"]
     assert moved.abs().min() > 0, f"the sigmoid router's bias must have moved: {moved}"
-    print(f"expert 2 -> 1 -> 4 through checkpoints: (loss, norm) per step {results[0]['checkpoints']} (reference "
+    print(f"expert 2 (ZeRO-3) -> 1 (ZeRO-0) -> 2 (ZeRO-1) -> 4 (ZeRO-2) through checkpoints: (loss, norm) per step "
+          f"{results[0]['checkpoints']} (reference "
           f"{list(zip(references['chain'][0], references['chain'][1], strict=True))})")

@@ -50,15 +50,31 @@ def ids_of(module: torch.nn.Module, names: set[str]) -> set[int]:
 def native_optimizer(module, recipe, groups, zero1: bool, decay):
     """The recipe's torch optimizer, or ZeroRedundancyOptimizer over the data (x context) group for ZeRO-1, over
     ``module``'s parameters grouped by ``decay`` (:class:`plugin.engines.optim.WeightDecay`, decided on the whole
-    model)."""
+    model). ZeRO-1 with an expert axis: the experts' states over the expert-data group, the rest's over data x
+    context, stepped as one (:class:`.optimizers.Optimizers`)."""
     if not zero1:
         return build_optimizer(module.parameters(), recipe.optimizer, decay)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    from ...expert_parallel import is_expert_param
+
     cls, kwargs = optimizer_class_and_kwargs(recipe.optimizer)
-    return ZeroRedundancyOptimizer(decay.groups(module.parameters(), recipe.optimizer.weight_decay),
-                                   optimizer_class=cls, process_group=groups.data_context_group,
-                                   parameters_as_bucket_view=True, **kwargs)  # one broadcast per rank, not per tensor
+
+    def zero(params, group, size):
+        if size == 1:  # no rank to partition over (expert 4 over data 4: each rank its own experts)
+            return build_optimizer(params, recipe.optimizer, decay)
+        return ZeroRedundancyOptimizer(decay.groups(params, recipe.optimizer.weight_decay), optimizer_class=cls,
+                                       process_group=group, parameters_as_bucket_view=True,  # one broadcast a rank
+                                       **kwargs)
+
+    if groups.ep_size == 1:
+        return zero(module.parameters(), groups.data_context_group, groups.data_context_size)
+    from .optimizers import Optimizers
+
+    experts = [p for p in module.parameters() if is_expert_param(p)]
+    rest = [p for p in module.parameters() if not is_expert_param(p)]
+    return Optimizers([zero(rest, groups.data_context_group, groups.data_context_size),
+                       zero(experts, groups.expert_data_group, groups.edp_size)])
 
 
 def why_not_accelerate(recipe, environ: Mapping[str, str], cuda: bool) -> str | None:
@@ -158,7 +174,7 @@ class NativeEngine(Engine):
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # first: the norm is clipped on the true gradients, not scaled ones
         params = self.clip_params()
-        experts = self.groups.ep_size > 1
+        experts = bool(self.expert_params)  # FSDP2's expert shards: summed over data x context, each counted once
         norm = clip_by_global_norm(
             params, float(self.recipe.gradient_clipping), tensor_sharded=self.tensor_sharded,
             tp_rank=self.groups.tp_rank, model_group=self.groups.model_group,

@@ -10,7 +10,8 @@ How each ZeRO stage maps (over the data-parallel group of :func:`plugin.distribu
 * ZeRO-2: whole parameters on every rank, as DeepSpeed's stage 2 keeps them, with the gradients and optimizer
   states of each rank's own rows only (:mod:`.row_shards`): the backward's gradients reduce-scattered into row shards
   at every micro-batch, the optimizer stepping those rows, one all-gather of the updated rows after the step.
-  With ``offload_optimizer`` "cpu": FSDP2 ``fully_shard(reshard_after_forward=False)`` (its ``CPUOffloadPolicy``),
+  With ``offload_optimizer`` "cpu", and with an expert axis: FSDP2 ``fully_shard(reshard_after_forward=False)``
+  (with offload its ``CPUOffloadPolicy``),
   the parameters gathered once per step and kept through its micro-batches (``set_reshard_after_backward`` off
   until the last backward), between steps only each rank's shard (``eval_step`` reshards what it gathered).
 * ZeRO-3: FSDP2 ``fully_shard(reshard_after_forward=True)``: parameters are re-gathered for backward.
@@ -29,6 +30,11 @@ With a context axis (``parallelism.context`` > 1) "the data group" above is data
 parameters (Megatron's data-parallel group with context parallelism): DDP averages, ZeroRedundancyOptimizer and FSDP2
 shard over it, and each context rank's loss is its chunks' share (:attr:`plugin.engines.base.Engine.loss_replicas`);
 the model's attention spans the split sequence (:func:`plugin.context_parallel.apply.apply_context_parallel`).
+
+With an expert axis (``parallelism.expert`` > 1) each rank's experts differ within data x context: DDP leaves them
+out and they are reduced over the expert-data group after the last micro-batch (:mod:`plugin.expert_parallel.grads`);
+ZeRO-1 partitions their optimizer states over that group (:class:`.optimizers.Optimizers`); FSDP2 (ZeRO-2 and 3) makes
+them units of their own over it (:func:`.fsdp.shard_experts`).
 """
 from __future__ import annotations
 
@@ -62,6 +68,8 @@ class DataParallelEngine(NativeEngine):
         self.loss_fn = loss_fn
         self.fsdp = fsdp  # FSDP2: DTensor parameters, cast by its MixedPrecisionPolicy, resharded after an eval
         self.data_sharded = fsdp or shards is not None  # gradients are this rank's pieces
+        if fsdp:  # the experts' own FSDP2 units reduce them over the expert-data group (fsdp.shard_experts)
+            self.expert_params = []
         self.gathered_through_step = gathered_through_step
         self.shards = shards
 
@@ -151,7 +159,10 @@ def build_data_parallel(ctx: BuildContext, groups) -> DataParallelEngine:
         apply_expert_parallel(module, groups, getattr(ctx.apply_tp, "cuts", None))
     stage = recipe.zero.stage
     replicas = groups.data_context_size  # ranks holding the same parameters: data x context
-    fsdp = stage == 3 or (stage == 2 and "cpu" in (recipe.zero.offload_optimizer, recipe.zero.offload_param))
+    # ZeRO-2 on FSDP2 (parameters gathered once per step) with CPU offload, and with an expert axis: the row shards
+    # cut every parameter over one group, where the experts are sharded over another (the expert-data group)
+    fsdp = stage == 3 or (stage == 2 and ("cpu" in (recipe.zero.offload_optimizer, recipe.zero.offload_param)
+                                          or groups.ep_size > 1))
     if not ctx.on_meta:
         module.to(device)
     elif not fsdp:  # whole parameters on every rank: each unit made and swapped in, one at a time

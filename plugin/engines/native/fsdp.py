@@ -3,7 +3,8 @@ that frees what a forward gathered. Accelerate's FSDP2 plugin wraps the same uni
 
 ZeRO-2: ``fully_shard(reshard_after_forward=False)`` on a 1-D data mesh (``DeviceMesh.from_group``): gradients and
 optimizer states sharded, parameters gathered once per step. ZeRO-3: ``reshard_after_forward=True``: parameters
-re-gathered for backward. CPU offload (``offload_optimizer`` / ``offload_param`` "cpu"): ``CPUOffloadPolicy``.
+re-gathered for backward. With an expert axis the experts are units of their own over the expert-data group
+(:func:`shard_experts`). CPU offload (``offload_optimizer`` / ``offload_param`` "cpu"): ``CPUOffloadPolicy``.
 Under bf16 / fp16: ``MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)``, fp32 sharded parameters,
 the root's output cast back to fp32 for the loss.
 """
@@ -65,9 +66,39 @@ def shard_fsdp2(model, recipe, groups, device, layers_of: Callable):
     root = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32) \
         if dtype else MixedPrecisionPolicy()
     reshard = z.stage == 3  # ZeRO-3 frees gathered parameters after forward (re-gathers for backward); ZeRO-2 keeps
+    if groups.ep_size > 1:  # first, so that the blocks' units leave the experts to their own
+        shard_experts(model, groups, device, reshard_after_forward=reshard, mp_policy=inner,
+                      offload_policy=offload)
     for layer in fsdp_units(model, layers_of):
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=inner, offload_policy=offload)
     return fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=root, offload_policy=offload)
+
+
+def shard_experts(model, groups, device, **fully_shard_args) -> None:
+    """With an expert axis, each MoE layer's experts (:class:`plugin.expert_parallel.layer.Experts`) are an FSDP2 unit
+    of their own over the expert-data group (the ranks holding the same experts: torchtitan's ``dp_mod_ep`` mesh),
+    sharded there and reduced there. Their reduce-scatter sums over that group and divides by data x context, not by
+    its size: what :func:`plugin.expert_parallel.grads.reduce_expert_grads` does without FSDP2. The parameters'
+    marks (expert, tensor-sharded, the box of the whole tensors a checkpoint writes) pass to FSDP2's parameters."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ...expert_parallel.layer import Experts
+
+    mesh = DeviceMesh.from_group(groups.expert_data_group, "cpu" if device.type == "meta" else device.type,
+                                 mesh_dim_names=("expert_data",))
+    marks = ("expert_parallel", "allreduce", "group_name", "tensor_model_parallel", "global_offsets")
+    for experts in [m for m in model.modules() if isinstance(m, Experts)]:
+        kept = {n: {k: getattr(p, k) for k in marks if hasattr(p, k)} for n, p in experts.named_parameters()}
+        fully_shard(experts, mesh=mesh, **fully_shard_args)
+        experts.set_gradient_divide_factor(float(groups.data_context_size))
+        # a sum, then the division: a divide factor other than the group's size is NCCL's PREMUL_SUM otherwise,
+        # which gloo refuses ("Cannot use ReduceOp.PREMUL_SUM with Gloo"). Not over one rank: torch 2.13 then
+        # divides once in place of the reduce-scatter and again after it (a gradient 1 / factor^2)
+        experts.set_force_sum_reduction_for_comms(groups.edp_size > 1)
+        for n, p in experts.named_parameters():
+            for k, v in kept[n].items():
+                setattr(p, k, v)
 
 
 def reshard_all(module: torch.nn.Module) -> None:

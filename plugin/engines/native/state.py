@@ -4,7 +4,7 @@ the unsharded model's name with its global shape, so a checkpoint of any layout 
 What a native rank holds: its pipeline stages' parameters (the whole model's own modules, so canonical names come
 by identity), each a TP-local tensor (plain, or an FSDP2 DTensor whose local shard is a row range of it);
 optimizer states from the local torch optimizer (ZeroRedundancyOptimizer: only the partition this rank owns;
-nothing is consolidated).
+nothing is consolidated; with an expert axis at ZeRO-1, both partitions' local optimizers).
 """
 from __future__ import annotations
 
@@ -18,9 +18,19 @@ def named_local_params(engine) -> dict:
 
 
 def local_optimizer(engine):
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    """The torch optimizer that steps this rank's states: a ZeroRedundancyOptimizer's own partition's; with an
+    expert axis at ZeRO-1 (:class:`.optimizers.Optimizers`) the parts' local ones, read as one."""
+    from .optimizers import Optimizers
 
     opt = engine.optimizer
+    if isinstance(opt, Optimizers):
+        return Optimizers([_local(o) for o in opt.parts])
+    return _local(opt)
+
+
+def _local(opt):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt  # its own partition, stepped locally
 
 

@@ -27,6 +27,8 @@ def test_what_is_reached_passes():
     assert _paths({"data": 4, "expert": 4}) == []
     assert _paths({"data": 2, "tensor": 2, "context": 2, "expert": 2}) == []
     assert _paths({"data": 1}, backend="deepspeed") == []  # MoE on one process: nothing to place or sum
+    for stage in (1, 2, 3):  # the experts' states and gradients over the expert-data group (native back end)
+        assert _paths({"data": 4, "expert": 2}, zero={"stage": stage}) == []
 
 
 def test_what_is_not_reached_is_refused_by_name():
@@ -34,7 +36,6 @@ def test_what_is_not_reached_is_refused_by_name():
     assert _paths({"data": 4, "expert": 2}, backend="deepspeed") == ["$.parallelism.expert"]
     assert _paths({"data": 4}, backend="accelerate") == ["$.model.moe"]  # the aux statistics need the groups
     assert _paths({"data": 2, "pipeline": 2}) == ["$.parallelism.pipeline"]
-    assert _paths({"data": 4, "expert": 2}, zero={"stage": 1}) == ["$.zero.stage"]
     assert _paths({"data": 2, "tensor": 2, "expert": 2}, tensor_parallel={"sequence_parallel": True}) == \
         ["$.tensor_parallel.sequence_parallel"]
     assert _paths({"data": 2, "tensor": 2, "expert": 2, "expert_tensor": 1}) == ["$.parallelism.expert_tensor"]
