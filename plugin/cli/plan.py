@@ -1,6 +1,7 @@
 """``python -m plugin plan --model NAME|PATH.json --gpus N --gpu-memory 80GB ...``: the fastest layouts that fit.
 
-Searches every tensor x context x pipeline x data layout (context by ring or all-to-all attention), ZeRO stage,
+Searches every tensor x context x pipeline x data layout (context by ring or all-to-all attention; for a mixture of
+experts, every expert degree too), ZeRO stage,
 micro-batch, recompute (none, selective, full: the recipe's ``activation_checkpointing``) and sequence-parallel
 choice (:mod:`plugin.planning.search`), keeps those whose most loaded rank fits, ranks them by a roofline step
 time and prints the top K with the reason for each place and the assumptions behind the ranking. ``--write``
@@ -181,17 +182,18 @@ def _print(result, written) -> None:
         print(result.advice)
         return
     rows = []
+    moe = bool(result.spec.moe_experts)  # an expert column for a mixture of experts only
     for p in result.plans:
         s = p.setup
         context = f"{s.cp} {s.cp_method}" if s.cp > 1 else "1"
-        rows.append((str(p.rank), str(s.tp), context, str(s.pp), str(s.dp), str(s.zero_stage),
-                     f"{s.micro_batch} x {s.micro_batches}", "yes" if s.sequence_parallel else "no", s.recompute,
-                     fmt_gb(p.memory.total), fmt_seconds(p.time.total),
+        rows.append((str(p.rank), str(s.tp), context, str(s.pp), str(s.dp), *([str(s.ep)] if moe else []),
+                     str(s.zero_stage), f"{s.micro_batch} x {s.micro_batches}", "yes" if s.sequence_parallel else "no",
+                     s.recompute, fmt_gb(p.memory.total), fmt_seconds(p.time.total),
                      f"{p.time.tokens_per_second_per_gpu:,.0f}", f"{p.time.mfu:.0%}"))
     print_table(f"Top {len(result.plans)} layouts (fastest first)",
-                ["#", "tensor", "context", "pipeline", "data", "ZeRO", "micro x acc", "seq par", "recompute",
-                 "mem/GPU", "step", "tok/s/GPU", "MFU"], rows,
-                right=["#", "tensor", "pipeline", "data", "ZeRO", "mem/GPU", "step", "tok/s/GPU", "MFU"])
+                ["#", "tensor", "context", "pipeline", "data", *(["expert"] if moe else []), "ZeRO", "micro x acc",
+                 "seq par", "recompute", "mem/GPU", "step", "tok/s/GPU", "MFU"], rows,
+                right=["#", "tensor", "pipeline", "data", "expert", "ZeRO", "mem/GPU", "step", "tok/s/GPU", "MFU"])
     for p in result.plans:
         print(f"{p.rank}. {p.setup.label()}: {p.reason}")
     if written:

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 import torch
 
 KINDS = ("parameters", "gradients", "optimizer_states", "other")
-_WALK_MODULES = ("deepspeed.runtime", "torch.optim", "torch.distributed.optim")
+# objects whose attributes are walked: DeepSpeed's and torch's optimizers, and the native back end's several-as-one
+_WALK_MODULES = ("deepspeed.runtime", "torch.optim", "torch.distributed.optim", "plugin.engines.native.optimizers")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,9 @@ class ModelSpec:
     moe_top_k: int = 2
     moe_every: int = 1
     moe_ffn_hidden: int | None = None
+    # the recipe's model.moe settings that count nothing (router, aux_loss_coef, bias_update_rate), where they are not
+    # the recipe's defaults: (key, value) pairs, so that a written recipe trains the model it was planned for
+    moe_options: tuple = ()
     name: str = "model"
     source: str = field(default="", compare=False)
 
@@ -113,10 +116,14 @@ class ModelSpec:
                                                               else 0)
         return sharded, (h if self.bias else 0)
 
+    @property
+    def moe_ffn(self) -> int:
+        """Each expert's inner size (the model's ffn size unless the MoE block says its own)."""
+        return self.moe_ffn_hidden if self.moe_ffn_hidden is not None else self.ffn
+
     def expert_params(self) -> float:
         """One MoE block's experts: E x 2 h f_e (GELU, no biases; SwiGLU 3)."""
-        fe = self.moe_ffn_hidden if self.moe_ffn_hidden is not None else self.ffn
-        return self.moe_experts * (3 if self.mlp == "swiglu" else 2) * self.hidden * fe
+        return self.moe_experts * (3 if self.mlp == "swiglu" else 2) * self.hidden * self.moe_ffn
 
     def router_params(self) -> float:
         return self.hidden * self.moe_experts
@@ -191,7 +198,8 @@ class ModelSpec:
         output layer of its own: :class:`plugin.models.gpt.GPTConfig` leaves embeddings untied by default)."""
         moe = getattr(model, "moe", None)
         experts = {} if moe is None else dict(moe_experts=moe.experts, moe_top_k=moe.top_k, moe_every=moe.every,
-                                              moe_ffn_hidden=moe.ffn_hidden)
+                                              moe_ffn_hidden=moe.ffn_hidden,
+                                              moe_options=_moe_options({k: getattr(moe, k) for k in _MOE_OPTIONS}))
         return cls(layers=model.layers, hidden=model.hidden, heads=model.heads, vocab=model.vocab,
                    seq_len=model.seq_len, kv_heads=model.kv_heads, ffn_hidden=model.ffn_hidden,
                    tied_embeddings=False, dropout=model.dropout, name=name, **experts)
@@ -209,6 +217,11 @@ class ModelSpec:
         block.update(vocab=self.vocab, seq_len=self.seq_len)
         if self.dropout:
             block["dropout"] = self.dropout
+        if self.moe_experts:
+            moe: dict[str, Any] = {"experts": self.moe_experts, "top_k": self.moe_top_k, "every": self.moe_every}
+            if self.moe_ffn_hidden is not None:
+                moe["ffn_hidden"] = self.moe_ffn_hidden
+            block["moe"] = {**moe, **dict(self.moe_options)}
         return block
 
     def as_recipe_model(self) -> ModelSpec:
@@ -244,6 +257,38 @@ _CHOICES = {"mlp": MLP_KINDS, "norm": NORM_KINDS, "positions": POSITION_KINDS}
 _BOOLS = ("bias", "tied_embeddings")
 # Keys a --model JSON may carry besides the dims and dropout: a preset's notes.
 _IGNORED = ("source", "name", "description", "aliases", "paper_params")
+_MOE_OPTIONS = ("aux_loss_coef", "router", "bias_update_rate")  # model.moe keys that count nothing
+
+
+def _moe_options(block: Mapping[str, Any]) -> tuple:
+    """``model.moe``'s settings that count nothing, where they differ from the recipe's defaults, sorted pairs."""
+    from ..recipe.spec import MoE
+
+    defaults = {f.name: f.default for f in dataclasses.fields(MoE)}
+    return tuple(sorted((k, block[k]) for k in _MOE_OPTIONS if k in block and block[k] != defaults[k]))
+
+
+def _moe_fields(data: Mapping[str, Any], where: str) -> tuple[dict, list[Problem]]:
+    """The spec's MoE fields from the ``moe`` block of the model block ``data``, or problems at ``where``.moe: the
+    recipe's own rules for that block (its schema, and :func:`plugin.recipe.checks.check_expert`'s on the model)."""
+    from ..recipe.checks import check_expert
+    from ..recipe.schema import schema_problems
+    from ..recipe.spec import Model, Recipe
+
+    block, prefix = data["moe"], "$.model.moe"
+    model = {k: data[k] for k in (f.name for f in dataclasses.fields(Model)) if k in data}
+
+    def rooted(problems) -> list[Problem]:
+        return [dataclasses.replace(p, path=f"{where}.moe{p.path[len(prefix):]}") for p in problems
+                if p.path.startswith(prefix)]
+
+    problems = rooted(schema_problems({"model": model}))
+    if problems:
+        return {}, problems
+    recipe = Recipe.from_dict({"name": "plan", "batch": {"global": 1, "micro": 1}, "model": model})
+    problems = rooted(p for p in check_expert(recipe, None) if p.is_error)
+    return dict(moe_experts=block["experts"], moe_top_k=block.get("top_k", 2), moe_every=block.get("every", 1),
+                moe_ffn_hidden=block.get("ffn_hidden"), moe_options=_moe_options(block)), problems
 
 
 def spec_from_dict(data: Mapping[str, Any], name: str = "model",
@@ -261,13 +306,9 @@ def spec_from_dict(data: Mapping[str, Any], name: str = "model",
         return None, [Problem(where, f"a model is a JSON object, not {json_type(data)}",
                               "give layers, hidden, heads, vocab and seq_len")]
     known = set(_INT_FIELDS) | set(_CHOICES) | set(_BOOLS) | set(_IGNORED) | {"dropout"}
+    known.add("moe")  # the recipe's block, read by _moe_fields once the dimensions are known good
     for key in data:
-        if key == "moe":  # a valid recipe's block, which the search does not rank yet: say so, not "unknown key"
-            problems.append(Problem(f"{where}.moe", "plan does not search the layouts of a mixture-of-experts model "
-                                    "yet (its expert degree, and the ZeRO stages and pipelines MoE layers reach)",
-                                    "estimate the recipe at its layout instead: python -m plugin estimate "
-                                    "RECIPE.json counts each rank's experts at its expert degree"))
-        elif key not in known:
+        if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             problems.append(Problem(f"{where}.{key}", f"unknown key {key!r}",
                                     f"did you mean {close[0]!r}?" if close else "allowed: " + ", ".join(sorted(known))))
@@ -298,8 +339,13 @@ def spec_from_dict(data: Mapping[str, Any], name: str = "model",
                                 "grouped-query attention needs heads divisible by kv_heads"))
     if problems:
         return None, problems
+    experts: dict = {}
+    if "moe" in data:
+        experts, problems = _moe_fields(data, where)
+        if problems:
+            return None, problems
     # An architecture key left out is the reference GPT's: a bare recipe model block is that model.
-    kwargs = {**_REFERENCE_GPT, **{k: data[k] for k in (*_INT_FIELDS, *_CHOICES, *_BOOLS) if k in data}}
+    kwargs = {**_REFERENCE_GPT, **{k: data[k] for k in (*_INT_FIELDS, *_CHOICES, *_BOOLS) if k in data}, **experts}
     kwargs["dropout"] = float(dropout)
     return ModelSpec(name=str(data.get("name", name)), source=str(data.get("source", "")), **kwargs), []
 

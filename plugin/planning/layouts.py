@@ -13,7 +13,11 @@ Each rule is one of :mod:`plugin.recipe.checks`, asked of numbers instead of a r
 - ZeRO stages 2 and 3 not with pipeline parallelism (``check_zero``), and stages above 0 only where there is
   more than one replica (data x context) to shard over;
 - no more pipeline stages than layers (``check_model_dims``; the written ``"partition": "parameters"`` takes any
-  stage count up to that).
+  stage count up to that);
+- a mixture of experts: the expert degree E divides data x context and the experts (``check_expert``), each
+  expert's inner size divides over T (the experts split over the tensor group, ``check_expert``), and what the
+  expert axis reaches (:func:`plugin.expert_parallel.checks.check_expert_reach`): no pipeline stages and no
+  sequence parallelism with MoE layers, any ZeRO stage.
 
 ``tests/unit/planning/test_layouts.py`` holds every predicate to the recipe check it mirrors.
 """
@@ -34,7 +38,19 @@ def divisors(n: int) -> list[int]:
 def tensor_sizes(spec: ModelSpec, gpus: int) -> list[int]:
     """Tensor sizes that divide the GPUs and the heads, kv_heads, hidden and ffn sizes."""
     return [t for t in divisors(gpus)
-            if not (spec.heads % t or spec.kv % t or spec.hidden % t or spec.ffn % t)]
+            if not (spec.heads % t or spec.kv % t or spec.hidden % t or spec.ffn % t
+                    or (spec.moe_experts and spec.moe_ffn % t))]
+
+
+def pipeline_sizes(spec: ModelSpec, gpus: int) -> list[int]:
+    """Pipeline sizes that divide ``gpus``, no more than the layers; 1 alone for MoE layers (their load-balancing
+    terms would miss the loss on stages before the last)."""
+    return [1] if spec.moe_experts else [p for p in divisors(gpus) if p <= spec.layers]
+
+
+def expert_sizes(spec: ModelSpec, replicas: int) -> list[int]:
+    """Expert degrees: 1 for a dense model, else those dividing data x context (``replicas``) and the experts."""
+    return [e for e in divisors(replicas) if spec.moe_experts % e == 0] if spec.moe_experts else [1]
 
 
 def context_sizes(spec: ModelSpec, gpus: int) -> list[int]:
@@ -53,8 +69,9 @@ def context_methods(spec: ModelSpec, tp: int, cp: int) -> tuple[str, ...]:
 
 
 def sequence_parallel_choices(spec: ModelSpec, tp: int, cp: int = 1) -> list[bool]:
-    """[False], and True too where the sequence (each of the 2C chunks with a context axis) divides over T."""
-    if tp == 1 or spec.seq_len % tp:
+    """[False], and True too where the sequence (each of the 2C chunks with a context axis) divides over T (not with
+    MoE layers: each tensor rank would route a different slice of the tokens)."""
+    if tp == 1 or spec.seq_len % tp or spec.moe_experts:
         return [False]
     if cp > 1 and spec.seq_len % (2 * cp * tp):
         return [False]

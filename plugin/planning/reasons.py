@@ -33,6 +33,9 @@ def _term_detail(name: str, plan, spec: ModelSpec, gpus_per_node: int) -> str:
         where = "inside a node" if group_inside_node("context", s, gpus_per_node) else "across nodes"
         hidden = ", the part the attention's compute does not hide" if s.cp_method == "ring" else ""
         return f"{kind} over {s.cp} context ranks {where}{hidden}"
+    if name == "expert_communication":
+        return (f"the MoE dispatch's all-to-alls over {s.ep} expert ranks, 2 forward and 2 backward per MoE block "
+                "per micro-batch")
     if name == "pipeline_bubble":
         return (f"the pipeline bubble, (p-1)/m = {s.pp - 1}/{s.micro_batches} = "
                 f"{bubble_fraction(s.pp, s.micro_batches):.0%}")

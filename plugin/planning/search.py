@@ -42,11 +42,21 @@ what ``estimate`` of the written recipe counts. :mod:`plugin.planning.to_recipe`
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .dims import ModelSpec, params_text
-from .layouts import context_methods, context_sizes, divisors, sequence_parallel_choices, tensor_sizes, zero_stages
+from .layouts import (
+    context_methods,
+    context_sizes,
+    divisors,
+    expert_sizes,
+    pipeline_sizes,
+    sequence_parallel_choices,
+    tensor_sizes,
+    zero_stages,
+)
 from .memory import memory_per_rank, usable_memory
 from .reasons import explain
 from .setup import Breakdown, Setup
@@ -140,9 +150,7 @@ class _Search:
         a node and context groups inside one too, or crossing nodes (``context_across``)."""
         for tp in tensor_sizes(self.spec, self.gpus):
             for cp in context_sizes(self.spec, self.gpus // tp):
-                for pp in divisors(self.gpus // (tp * cp)):
-                    if pp > self.spec.layers:
-                        continue
+                for pp in pipeline_sizes(self.spec, self.gpus // (tp * cp)):
                     dp = self.gpus // (tp * cp * pp)
                     if self.global_batch % dp:
                         continue
@@ -161,14 +169,15 @@ class _Search:
         # no more memory, no more time (module docstring). Those micro-batches are searched there, not here.
         twin = cp > 1 and self.global_batch % (dp * cp) == 0 and (self.fused_attention or method == "all_to_all")
         micro_sizes = [mb for mb in divisors(per_replica) if not (twin and mb % cp == 0)]
-        for zero in zero_stages(dp * cp, pp):
+        for zero, ep in itertools.product(zero_stages(dp * cp, pp), expert_sizes(self.spec, dp * cp)):
             for sp in sequence_parallel_choices(self.spec, tp, cp):
                 for mode in self.recompute_modes:
                     if mode == "selective" and self.fused_attention and cp == 1:
                         continue  # the fused kernel stores no core: the same memory and time as "none"
                     best = None  # this layout at its fastest micro-batch
                     for mb in micro_sizes:
-                        setup = Setup(tp=tp, pp=pp, dp=dp, cp=cp, cp_method=method, zero_stage=zero, micro_batch=mb,
+                        setup = Setup(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, cp_method=method, zero_stage=zero,
+                                      micro_batch=mb,
                                       micro_batches=per_replica // mb, recompute=mode, sequence_parallel=sp,
                                       precision=self.precision, dropout=self.spec.dropout > 0,
                                       fused_attention=self.fused_attention)

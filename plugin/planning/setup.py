@@ -63,10 +63,12 @@ class Setup:
         return state_bytes_per_param(self.precision, self.optimizer, self.momentum, self.zero_stage)
 
     def label(self) -> str:
-        """``tp2 pp1 dp4 zero1 mb4x8 cp2 ring sp full``: a layout in one short line."""
+        """``tp2 pp1 dp4 zero1 mb4x8 cp2 ring ep2 sp full``: a layout in one short line."""
         out = f"tp{self.tp} pp{self.pp} dp{self.dp} zero{self.zero_stage} mb{self.micro_batch}x{self.micro_batches}"
         if self.cp > 1:
             out += f" cp{self.cp} {self.cp_method}"
+        if self.ep > 1:
+            out += f" ep{self.ep}"
         if self.sequence_parallel:
             out += " sp"
         if self.recompute != "none":

@@ -18,7 +18,9 @@ def to_recipe_data(plan_, result, name: str = "") -> dict:
     """A recipe (JSON data) for a plan: degrees, ZeRO stage, batch, memory savers, model and cluster.
 
     A context degree above 1 is written as ``"context"`` in ``parallelism`` with its ``context_parallel.method``;
-    ``"launcher": "auto"`` then trains it on the native back end (the DeepSpeed back end has no context axis).
+    ``"launcher": "auto"`` then trains it on the native back end (the DeepSpeed back end has no context axis). An
+    expert degree above 1 is written as ``"expert"`` (the model block carries its ``moe`` block); ``"auto"`` trains it
+    on the native back end too.
 
     Recompute is written as ``activation_checkpointing`` (``{"mode": "full", "every": k}``, or ``{"mode":
     "selective"}``). The model block carries the dimensions and dropout; the cluster is the planned one,
@@ -46,6 +48,8 @@ def to_recipe_data(plan_, result, name: str = "") -> dict:
     if s.cp > 1:  # left out at 1, as the recipe's default: plans without the axis write what they always wrote
         data["parallelism"]["context"] = s.cp
         data["context_parallel"] = {"method": s.cp_method}
+    if s.ep > 1:  # the experts over ep ranks of data x context; "launcher": "auto" trains them on the native back end
+        data["parallelism"]["expert"] = s.ep
     if s.tp > 1:
         data["tensor_parallel"] = {"sequence_parallel": s.sequence_parallel, "plan": "auto"}
     if s.pp > 1:

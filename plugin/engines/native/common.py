@@ -229,4 +229,4 @@ class NativeEngine(Engine):
         Measure inside a step (after a backward) for gradients to exist."""
         from ..memory import held_bytes
 
-        return held_bytes(self.container, getattr(self.optimizer, "optim", self.optimizer))
+        return held_bytes(self.container, state.local_optimizer(self))

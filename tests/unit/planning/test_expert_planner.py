@@ -54,23 +54,60 @@ def test_all_to_all_bytes_per_moe_block():
     assert dict(step_time(SPEC, setup).terms)["expert_communication"] > 0
 
 
-def test_plan_refuses_a_moe_recipe_by_name_with_the_way_round_it(tmp_path):
-    """A MoE recipe validates, and plan does not rank MoE layouts yet: it says so (not "unknown key 'moe'")."""
+def _moe_recipe_file(tmp_path, moe: dict):
     import json
 
-    from plugin.errors import RecipeError
-    from plugin.planning.presets import resolve_model
-    from plugin.recipe.checks import load_recipe
     from plugin.recipe.load import find_recipe
 
     data = json.loads(find_recipe("cpu_dp4").read_text())
     data.pop("$schema", None)
-    data["model"]["moe"] = {"experts": 8, "top_k": 2, "every": 2, "ffn_hidden": 64}
+    data["model"]["moe"] = moe
     path = tmp_path / "moe.json"
     path.write_text(json.dumps(data))
-    assert load_recipe(str(path)).model.moe is not None
-    with pytest.raises(RecipeError) as caught:
-        resolve_model(path)
-    text = str(caught.value)
-    assert "$.model.moe: plan does not search the layouts of a mixture-of-experts model yet" in text, text
-    assert "python -m plugin estimate RECIPE.json" in text and "unknown key" not in text, text
+    return path
+
+
+def test_plan_reads_a_moe_recipes_model_and_refuses_its_bad_moe_block_as_validate_does(tmp_path):
+    """``plan --model RECIPE.json`` of a MoE recipe reads its moe block (with the settings that count nothing, so a
+    written recipe keeps them); a block the recipe refuses is refused at the same place."""
+    from plugin.errors import RecipeError
+    from plugin.planning.presets import resolve_model
+
+    spec = resolve_model(_moe_recipe_file(tmp_path, {"experts": 8, "top_k": 2, "every": 2, "ffn_hidden": 64,
+                                                     "router": "sigmoid"}))
+    assert (spec.moe_experts, spec.moe_top_k, spec.moe_every, spec.moe_ffn_hidden) == (8, 2, 2, 64)
+    assert spec.to_model_block()["moe"] == {"experts": 8, "top_k": 2, "every": 2, "ffn_hidden": 64,
+                                            "router": "sigmoid"}
+    for moe, where in (({"experts": 8, "top_k": 9}, "$.model.moe.top_k"), ({"experts": 0}, "$.model.moe.experts"),
+                       ({"experts": 8, "router": "cosine"}, "$.model.moe.router"), ({"top_k": 2}, "$.model.moe")):
+        with pytest.raises(RecipeError) as caught:
+            resolve_model(_moe_recipe_file(tmp_path, moe))
+        assert where in str(caught.value), (moe, str(caught.value))
+
+
+def test_plan_searches_the_expert_degree_and_writes_the_recipe_estimate_agrees_with(tmp_path, capsys):
+    """A MoE model too large for data parallelism alone: the plan that fits places its experts over E > 1 ranks, no
+    pipeline and no sequence parallelism (what the expert axis reaches), and --write writes "expert" and the moe
+    block; plan checks that estimate of the written recipe gives its memory and step time."""
+    import json
+
+    from plugin.cli.main import main
+    from plugin.planning.search import plan
+
+    big = {"layers": 8, "hidden": 2048, "heads": 16, "vocab": 32000, "seq_len": 2048,
+           "moe": {"experts": 64, "top_k": 2, "every": 1, "ffn_hidden": 4096, "aux_loss_coef": 0.02}}
+    model = tmp_path / "big.json"
+    model.write_text(json.dumps(big))
+    from plugin.planning.presets import resolve_model
+
+    result = plan(resolve_model(model), 16, 40e9, global_batch=2048, top=50, as_recipe=True)
+    setups = [p.setup for p in result.plans]
+    assert {s.ep for s in setups} >= {2, 4, 8} and all(s.pp == 1 and not s.sequence_parallel for s in setups)
+    assert setups[0].ep > 1, [s.label() for s in setups[:5]]
+    written = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(model), "--gpus", "16", "--gpu-memory", "40", "--write", str(written)]) == 0
+    out = capsys.readouterr().out
+    assert "expert" in out and "gives the same memory and step time (checked)" in out, out
+    data = json.loads(written.read_text())
+    assert data["parallelism"]["expert"] == setups[0].ep and data["model"]["moe"] == big["moe"], data
+    assert data["launcher"] == "auto"  # which trains an expert axis on the native back end

@@ -8,6 +8,8 @@ from plugin.planning.layouts import (
     context_methods,
     context_sizes,
     divisors,
+    expert_sizes,
+    pipeline_sizes,
     sequence_parallel_choices,
     tensor_sizes,
     zero_stages,
@@ -65,3 +67,30 @@ def test_context_sizes_cut_the_sequence_into_two_chunks_per_rank():
     assert context_sizes(spec, 16) == [1, 2, 4]
     assert context_sizes(spec, 12) == [1, 2, 3, 4, 6, 12]
     assert divisors(12) == [1, 2, 3, 4, 6, 12]
+
+
+def test_moe_layouts_are_searched_exactly_where_the_recipe_checks_and_the_expert_axis_reach_pass():
+    """Both ways, for a mixture of experts: tensor (each expert's inner size over it), pipeline, data, expert degree
+    and sequence parallelism the search tries pass the recipe checks and what the expert axis reaches on the
+    native back end (:func:`plugin.expert_parallel.checks.check_expert_reach`); what it does not try is refused."""
+    from plugin.expert_parallel.checks import check_expert_reach
+
+    tried = refused = 0
+    for experts, fe in itertools.product((4, 6), (48, 90)):
+        moe = {"experts": experts, "top_k": 2, "ffn_hidden": fe}
+        model = {"layers": 2, "hidden": 96, "heads": 12, "vocab": 128, "seq_len": 64, "moe": moe}
+        spec = ModelSpec(layers=2, hidden=96, heads=12, vocab=128, seq_len=64, tied_embeddings=False,
+                         moe_experts=experts, moe_ffn_hidden=fe)
+        for tp, pp, dp, ep, sp in itertools.product((1, 2, 4), (1, 2), (1, 2, 4), (1, 2, 3, 4), (False, True)):
+            searched = (tp in tensor_sizes(spec, tp) and pp in pipeline_sizes(spec, pp) and ep in expert_sizes(spec, dp)
+                        and sp in sequence_parallel_choices(spec, tp))
+            par = {"data": dp, "tensor": tp, "pipeline": pp, "expert": ep}
+            blocks = {"tensor_parallel": {"sequence_parallel": sp}, "batch": {"global": 4 * dp, "micro": 1}}
+            errors = _errors(par, model, **blocks)
+            if not errors:
+                recipe = Recipe.from_dict({"name": "r", "parallelism": par, "model": model, **blocks})
+                errors = [p.format() for p in check_expert_reach(recipe, recipe.layout(), "native", 1)]
+            assert searched == (not errors), (experts, fe, tp, pp, dp, ep, sp, errors)
+            tried += searched
+            refused += not searched
+    assert tried > 20 and refused > 100
