@@ -63,16 +63,17 @@ def accelerate_mode(recipe, *, cuda: bool, has_deepspeed: bool, has_transformers
 
 
 def native_only(recipe) -> str | None:
-    """Why only the native back end can train ``recipe`` (None: any can): its reference GPT's MoE layers reach what
-    :func:`plugin.expert_parallel.checks.moe_native_only` says only the native back end reaches, so ``"launcher":
+    """Why only the native back end can train ``recipe`` (None: any can): its reference GPT's MoE layers, or an expert
+    axis on any model, reach what :func:`plugin.expert_parallel.checks.moe_native_only` says only the native back end
+    reaches, so ``"launcher":
     "auto"`` resolves to it and launch.sh to torchrun instead of starting a launcher whose processes would refuse
     the recipe."""
     moe = recipe.model.moe if recipe.model is not None else None
-    if moe is None:
-        return None
     par = recipe.parallelism
     from ..expert_parallel.checks import moe_native_only
 
+    if moe is None:  # an expert axis on a model built elsewhere (a transformers family's experts)
+        return moe_native_only(None, par.expert, 1).get("spread") if par.expert > 1 else None
     reasons = moe_native_only(moe.router, par.expert, None if par.data == "auto" else par.data * par.context)
     return reasons.get("router") or reasons.get("spread")
 

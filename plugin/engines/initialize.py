@@ -158,14 +158,15 @@ def _check_context_parallel(model, recipe: Recipe, backend: str, env) -> None:
 def _expert_parallel(model, recipe: Recipe, layout, backend: str, env, loss_for):
     """Before any group: what the expert axis does not reach on this back end is refused
     (:func:`plugin.expert_parallel.checks.check_expert_reach`); the loss gains the MoE layers' load-balancing terms."""
-    from ..expert_parallel import moe_layers, with_aux_losses
+    from ..expert_parallel import hf_experts, moe_layers, with_aux_losses
     from ..expert_parallel.checks import check_expert_reach
 
     layers = moe_layers(model)
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None) if not hasattr(model, "to_layers") else None
     problems = check_expert_reach(recipe, layout, backend, len(layers), family,
-                                  bool(getattr(config, "base_model_ep_plan", None)))
+                                  bool(getattr(config, "base_model_ep_plan", None)), len(hf_experts(model)),
+                                  bool(getattr(config, "output_router_logits", False)))
     if problems:
         _fail([p.with_file(recipe.source) for p in problems], env)
     return with_aux_losses(loss_for, model, float(getattr(config, "moe_aux_loss_coef", 0.0)))

@@ -13,25 +13,34 @@ from __future__ import annotations
 
 from torch import nn
 
-from .layer import ExpertContext, Experts, MoE
+from .hf import cut_experts, hf_experts
+from .layer import ExpertContext, MoE
 
 
 def is_expert_param(p) -> bool:
     return bool(getattr(p, "expert_parallel", False))
 
 
-def mark_expert_params(experts: Experts, ep_size: int) -> None:
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules holding this rank's experts (the reference GPT's :class:`.layer.Experts`, a transformers family's
+    experts cut by :func:`.hf.cut_experts`): those whose own parameters are all marked expert parameters."""
+    return [m for m in model.modules() if list(m.parameters(recurse=False))
+            and all(is_expert_param(p) for p in m.parameters(recurse=False))]
+
+
+def mark_expert_params(experts: nn.Module, ep_size: int) -> None:
     for p in experts.parameters():
         p.expert_parallel = True
         p.allreduce = False
         p.group_name = f"ep_size_{ep_size}"
-        if experts.tensor_group is not None:
+        if getattr(experts, "tensor_group", None) is not None:
             p.tensor_model_parallel = True  # a different slice on every expert-tensor rank: counted on each
 
 
 def apply_expert_parallel(model: nn.Module, groups, cuts: dict | None = None) -> list[str]:
     """Cut every MoE layer of ``model`` to this rank's experts (``groups``: a
-    :class:`plugin.distributed.groups.ParallelGroups`); returns the expert modules' names."""
+    :class:`plugin.distributed.groups.ParallelGroups`), the reference GPT's and, with an expert axis, a transformers
+    family's (:mod:`.hf`); returns the expert modules' names."""
     split = len(groups.expert_tensor_ranks) > 1
     tp_rank = groups.expert_tensor_ranks.index(groups.rank) if split else 0
     tp_size = len(groups.expert_tensor_ranks) if split else 1
@@ -53,4 +62,16 @@ def apply_expert_parallel(model: nn.Module, groups, cuts: dict | None = None) ->
         moe.experts.tensor_group = context.expert_tensor_group
         mark_expert_params(moe.experts, groups.ep_size)
         names.append(key)
+    if groups.ep_size > 1:  # a transformers family's experts: cut here, the family's router and the rest untouched
+        for name, whole in hf_experts(model):
+            def cut_hf(dense, ep_rank=groups.ep_rank, ep_size=groups.ep_size, group=context.expert_group):
+                return cut_experts(dense, ep_rank, ep_size, group)
+
+            piece = cut_hf(whole)
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, piece)
+            if cuts is not None:
+                cuts[name] = cut_hf
+            mark_expert_params(piece, groups.ep_size)
+            names.append(name)
     return names

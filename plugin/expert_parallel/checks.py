@@ -25,19 +25,22 @@ def moe_native_only(router: str | None, expert: int, data_ranks: int | None) -> 
 
 
 def check_expert_reach(recipe, layout, backend: str, moe_layers: int, family: str | None = None,
-                       ep_plan: bool = False) -> list[Problem]:
+                       ep_plan: bool = False, hf_layers: int = 0, router_logits: bool = False) -> list[Problem]:
     """Problems (JSON path, what, fix) for ``recipe`` at ``layout`` on ``backend``, the model holding ``moe_layers``
-    plugin MoE layers; ``family``: a transformers model's ``model_type`` (``ep_plan``: whether its config declares a
-    ``base_model_ep_plan``), named in the refusal."""
+    plugin MoE layers and ``hf_layers`` transformers experts modules the dispatch drives (:mod:`.hf`); ``family``: a
+    transformers model's ``model_type`` (``ep_plan``: whether its config declares a ``base_model_ep_plan``;
+    ``router_logits``: whether it adds its load-balancing loss, ``output_router_logits``), named in the refusals."""
     e, out = layout.expert, []
-    if e > 1 and moe_layers == 0:
+    if e > 1 and moe_layers == 0 and hf_layers == 0:
         what = "the model has no MoE layer the plugin can place (the reference GPT's model.moe)"
         if family:
-            what = (f"the transformers family {family!r} " + ("declares a base_model_ep_plan, which the plugin does "
-                    "not read yet" if ep_plan else "declares no base_model_ep_plan") + "; the plugin places only the "
-                    "reference GPT's MoE layers (model.moe)")
+            what = (f"the transformers family {family!r} " + ("declares a base_model_ep_plan, but " if ep_plan else
+                    "declares no base_model_ep_plan, and ") + "has no experts module that takes (hidden_states, "
+                    "top_k_index, top_k_weights) with its weights stacked by expert, the one the plugin places")
         out.append(Problem("$.parallelism.expert", f"expert {e}: {what}", 'set "expert": 1 (experts under tensor '
                            'parallelism and ZeRO), or use the reference GPT with "model": {"moe": {...}}'))
+    if e > 1 and hf_layers:
+        out += _hf_reach(layout, backend, family or "transformers", router_logits)
     if moe_layers == 0:
         return out
     moe = recipe.model.moe if recipe.model is not None else None
@@ -65,4 +68,27 @@ def check_expert_reach(recipe, layout, backend: str, moe_layers: int, family: st
                            f"{layout.tensor}: the tensor ranks' copies of each token would reach the experts twice "
                            "(not reached yet)",
                            'drop "expert_tensor" (experts split over the tensor group)'))
+    return out
+
+
+def _hf_reach(layout, backend: str, family: str, router_logits: bool) -> list[Problem]:
+    """What the expert axis does not reach yet with a transformers family's experts (:mod:`.hf`)."""
+    e, out = layout.expert, []
+    if "spread" in moe_native_only(None, e, layout.data * layout.context) and backend != "native":
+        out.append(Problem("$.parallelism.expert", f"{family}'s experts over expert {e} on the {backend} back end: "
+                           "its expert groups are not reached there yet", 'use the native back end ("launcher": '
+                           '"torchrun")'))
+    if layout.pipeline > 1:
+        out.append(Problem("$.parallelism.pipeline", f"{family}'s experts over expert {e} with pipeline "
+                           f"{layout.pipeline}: not reached yet", 'use "pipeline": 1 with an expert axis'))
+    if layout.tensor > 1:
+        out.append(Problem("$.parallelism.tensor", f"{family}'s experts over expert {e} with tensor {layout.tensor}: "
+                           "each expert's columns over the tensor group are not reached yet with an expert axis",
+                           'use "tensor": 1 with an expert axis, or "expert": 1 (the family\'s plan splits each '
+                           "expert over the tensor group)"))
+    if router_logits and layout.data * layout.context > 1:
+        out.append(Problem("$.parallelism.expert", f"{family} adds its load-balancing loss (output_router_logits), "
+                           "which transformers computes over each rank's tokens, not over the micro-batch of every "
+                           "data rank as one process does", "set the config's output_router_logits to False, or use "
+                           'the reference GPT with "model": {"moe": {...}} (its balance over every data rank)'))
     return out

@@ -203,10 +203,87 @@ def _layouts(rank, world, path, directory):
         out[name] = [p.path for p in refused.value.problems]
         assert path in out[name], (name, out[name])
     out["checkpoints"] = _checkpoints(references["chain"], directory)
+    out["hf"] = _hf_families(references)
     return out
 
 
 CHAIN = ((2, 3, (0, 1), None, "e2"), (1, 0, (2,), "e2", "e1"), (2, 1, (3,), "e1", "e2z1"), (4, 2, (4,), "e2z1", None))
+
+
+# transformers families: their own router, shared experts and dense layers whole on every rank, their experts module
+# cut to each rank's experts behind the dispatch (plugin/expert_parallel/hf.py); 4 experts, top-2 (tests/hf_families)
+HF_LAYOUTS = {  # family -> (parallelism, ZeRO stage)
+    "mixtral": ({"data": 4, "expert": 2}, 0),
+    "qwen2_moe": ({"data": 4, "expert": 4}, 1),  # a shared expert and its gate, whole on every rank
+    "deepseek_v3": ({"data": 4, "expert": 2}, 3),  # sigmoid routing over groups with its correction bias; FSDP2
+    "olmoe": ({"data": 4, "expert": 2}, 2),  # FSDP2 at ZeRO-2 (context parallelism runs other families)
+}
+HF_ROWS, HF_SEQ, HF_LR, HF_CLIP = 8, 16, 2.0, 0.02
+
+
+def _hf_batch(vocab):
+    return torch.randint(0, vocab, (HF_ROWS, HF_SEQ), generator=torch.Generator().manual_seed(1000))
+
+
+def _hf_reference(family):
+    """Losses, norms and the last weights of the family's tiny model on one process, the whole batch at once (no
+    load-balancing loss: output_router_logits is off in these configs, so the micro-batches do not matter)."""
+    from tests.hf_families import tiny_model
+
+    model = tiny_model(family, seed=0)
+    assert not model.config.output_router_logits
+    opt = torch.optim.SGD(model.parameters(), lr=HF_LR, momentum=0.9)
+    ids = _hf_batch(model.config.vocab_size)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        logits = model(input_ids=ids, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), HF_CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    assert min(norms) > 2 * HF_CLIP, f"{family}: gradient norms {norms}: the clipping must act"
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _hf_families(references):
+    import transformers as tf
+
+    import plugin
+    from plugin.recipe.spec import Recipe
+    from tests.hf_families import tiny_model
+
+    tf.logging.set_verbosity_error()
+    out = {}
+    for family, (par, stage) in HF_LAYOUTS.items():
+        ref_losses, ref_norms, ref_params = references[f"hf_{family}"]
+        model = tiny_model(family, seed=0)
+        recipe = Recipe.from_dict({"name": f"ep_{family}", "launcher": "torchrun", "zero": {"stage": stage},
+                                   "parallelism": {"tensor": 1, "pipeline": 1, **par},
+                                   "batch": {"global": HF_ROWS, "micro": 1},
+                                   "optimizer": {"name": "sgd", "lr": HF_LR, "momentum": 0.9},
+                                   "gradient_clipping": HF_CLIP})
+        engine = plugin.initialize(model, recipe, backend="native")
+        ids = _hf_batch(model.config.vocab_size)
+        losses, norms = [], []
+        for _ in range(STEPS):
+            losses.append(engine.train_step({"input_ids": ids, "labels": ids}))
+            norms.append(engine.last_step.grad_norm)
+        torch.testing.assert_close(torch.tensor(losses + norms, dtype=torch.float64),
+                                   torch.tensor(ref_losses + ref_norms, dtype=torch.float64), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, family=family: f"{family} losses and norms: {m}")
+        compared, experts = 0, 0
+        for n, p in engine.container.named_parameters():
+            t = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            ref = ref_params[n]
+            box = getattr(p, "global_offsets", None)
+            if box is not None:  # this rank's experts: their rows of the stacked tensor
+                ref, experts = ref[box[0]:box[0] + t.shape[0]], experts + 1
+            torch.testing.assert_close(t, ref, rtol=1e-5, atol=1e-6, msg=lambda m, n=n, f=family: f"{f} {n}: {m}")
+            compared += 1
+        out[family] = {"losses": losses, "norms": norms, "compared": compared, "expert_tensors": experts}
+    return out
 
 
 def _checkpoints(reference, directory):
@@ -241,6 +318,7 @@ def test_expert_layouts_train_one_process_losses_gradients_and_weights(tmp_path)
     for name, (_, norms, _, _) in references.items():
         assert min(norms) > CLIP, f"{name}: the clipping must act: gradient norms {norms} against {CLIP}"
     references["chain"] = _reference(_recipe({"data": 4, "expert": 2}, {}), None, steps=5)
+    references.update({f"hf_{family}": _hf_reference(family) for family in HF_LAYOUTS})
     torch.save(references, tmp_path / "references.pt")  # a file: tensors passed as arguments would travel as fds
     results = run(_layouts, 4, str(tmp_path / "references.pt"), str(tmp_path), timeout_s=120)
     for name in LAYOUTS:
@@ -256,3 +334,8 @@ def test_expert_layouts_train_one_process_losses_gradients_and_weights(tmp_path)
     print(f"expert 2 (ZeRO-3) -> 1 (ZeRO-0) -> 2 (ZeRO-1) -> 4 (ZeRO-2) through checkpoints: (loss, norm) per step "
           f"{results[0]['checkpoints']} (reference "
           f"{list(zip(references['chain'][0], references['chain'][1], strict=True))})")
+    for family, (par, stage) in HF_LAYOUTS.items():
+        got = results[0]["hf"][family]
+        print(f"{family} at {par}, ZeRO-{stage}: losses {got['losses']} (reference {references['hf_' + family][0]}), "
+              f"norms {got['norms']}; {sum(r['hf'][family]['compared'] for r in results)} tensors compared")
+        assert all(r["hf"][family]["expert_tensors"] >= 2 for r in results), family  # each rank held experts

@@ -46,7 +46,7 @@ import torch
 
 from ...checkpoint.boxes import TensorLayout, tp_segments
 from ...context_parallel.apply import apply_context_parallel
-from ...expert_parallel import apply_expert_parallel, moe_layers, update_router_biases
+from ...expert_parallel import apply_expert_parallel, hf_experts, moe_layers, update_router_biases
 from ...materialize.sinks import FSDP2Sink
 from ..context import BuildContext
 from . import state
@@ -155,7 +155,8 @@ def build_data_parallel(ctx: BuildContext, groups) -> DataParallelEngine:
     recipe, layout, device = ctx.recipe, ctx.layout, ctx.device
     module = ctx.apply_tp(ctx.model, groups.tensor_group) if layout.tensor > 1 else ctx.model
     apply_context_parallel(module, groups, recipe.context_parallel.method)
-    if moe_layers(module):  # each rank's experts, cut on meta too (materialising fills them from the whole values)
+    # each rank's experts, cut on meta too (materialising fills them from the whole values)
+    if moe_layers(module) or (groups.ep_size > 1 and hf_experts(module)):
         apply_expert_parallel(module, groups, getattr(ctx.apply_tp, "cuts", None))
     stage = recipe.zero.stage
     replicas = groups.data_context_size  # ranks holding the same parameters: data x context

@@ -75,7 +75,7 @@ def shard_fsdp2(model, recipe, groups, device, layers_of: Callable):
 
 
 def shard_experts(model, groups, device, **fully_shard_args) -> None:
-    """With an expert axis, each MoE layer's experts (:class:`plugin.expert_parallel.layer.Experts`) are an FSDP2 unit
+    """With an expert axis, each MoE layer's experts (:func:`plugin.expert_parallel.expert_modules`) are an FSDP2 unit
     of their own over the expert-data group (the ranks holding the same experts: torchtitan's ``dp_mod_ep`` mesh),
     sharded there and reduced there. Their reduce-scatter sums over that group and divides by data x context, not by
     its size: what :func:`plugin.expert_parallel.grads.reduce_expert_grads` does without FSDP2. The parameters'
@@ -83,12 +83,12 @@ def shard_experts(model, groups, device, **fully_shard_args) -> None:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from ...expert_parallel.layer import Experts
+    from ...expert_parallel import expert_modules
 
     mesh = DeviceMesh.from_group(groups.expert_data_group, "cpu" if device.type == "meta" else device.type,
                                  mesh_dim_names=("expert_data",))
     marks = ("expert_parallel", "allreduce", "group_name", "tensor_model_parallel", "global_offsets")
-    for experts in [m for m in model.modules() if isinstance(m, Experts)]:
+    for experts in expert_modules(model):
         kept = {n: {k: getattr(p, k) for k in marks if hasattr(p, k)} for n, p in experts.named_parameters()}
         fully_shard(experts, mesh=mesh, **fully_shard_args)
         experts.set_gradient_divide_factor(float(groups.data_context_size))

@@ -16,11 +16,25 @@ def _paths(parallelism, backend="native", layers=1, **blocks):
     return [p.path for p in problems]
 
 
-def test_a_transformers_moe_family_is_refused_by_name():
+def test_a_transformers_moe_family_is_placed_where_its_experts_take_the_interface_and_refused_by_name_elsewhere():
     recipe = Recipe.from_dict({"name": "t", "batch": {"global": 16, "micro": 1}, "parallelism": {"data": 4,
                                                                                                 "expert": 2}})
-    (problem,) = check_expert_reach(recipe, recipe.layout(), "native", 0, "mixtral", True)
-    assert "'mixtral' declares a base_model_ep_plan, which the plugin does not read yet" in problem.message
+    (problem,) = check_expert_reach(recipe, recipe.layout(), "native", 0, "dbrx", True)
+    assert "'dbrx' declares a base_model_ep_plan, but has no experts module that takes (hidden_states" in \
+        problem.message
+    assert check_expert_reach(recipe, recipe.layout(), "native", 0, "mixtral", True, hf_layers=2) == []
+
+    def paths(parallelism, backend="native", router_logits=False):
+        r = Recipe.from_dict({"name": "t", "batch": {"global": 16, "micro": 1}, "parallelism": parallelism})
+        problems = check_expert_reach(r, r.layout(), backend, 0, "mixtral", True, 2, router_logits)
+        assert all(p.hint and "mixtral" in p.message for p in problems)
+        return [p.path for p in problems]
+
+    assert paths({"data": 4, "expert": 2}, backend="deepspeed") == ["$.parallelism.expert"]
+    assert paths({"data": 2, "tensor": 2, "expert": 2}) == ["$.parallelism.tensor"]
+    assert paths({"data": 2, "pipeline": 2, "expert": 2}) == ["$.parallelism.pipeline"]
+    assert paths({"data": 4, "expert": 2}, router_logits=True) == ["$.parallelism.expert"]
+    assert paths({"data": 4}, backend="deepspeed") == []  # no expert axis: the family's experts as they are
 
 
 def test_what_is_reached_passes():
