@@ -77,6 +77,17 @@ def pieces_of(t: torch.Tensor, global_shape, layout: TensorLayout, tp_rank: int,
     return compose(held, tp_segments(tuple(t.shape), global_shape, layout, tp_rank, tp_size))
 
 
+def param_boxes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """``{parameter name: its offsets in the whole tensor}`` for the parameters that hold one box of a larger tensor
+    (an expert rank's experts), from each module's ``param_boxes`` (on the module: materialising and FSDP2 replace
+    the parameter objects, not the module)."""
+    out = {}
+    for mname, m in model.named_modules():
+        for pname, offsets in (getattr(m, "param_boxes", None) or {}).items():
+            out[f"{mname}.{pname}" if mname else pname] = tuple(offsets)
+    return out
+
+
 def boxed_pieces(t: torch.Tensor, boxed) -> list[Piece]:
     """An expert rank's box of a whole tensor (``boxed``: its offsets there), held whole or as an FSDP2 shard."""
     held = dtensor_held(t) if _is_dtensor(t) else whole_held(t.detach())
@@ -116,9 +127,10 @@ def local_state(engine, *, for_load: bool, manifest: dict | None = None) -> Loca
     entries: dict[str, Entry] = {}
     after: list = []
     params = engine.named_local_params()
+    boxes = param_boxes(engine.whole_model)
     for name, p in params.items():
         shape, dtype = index[name]
-        boxed = getattr(p, "global_offsets", None)  # one box of the global tensor (an expert rank's experts)
+        boxed = boxes.get(name)  # one box of the global tensor (an expert rank's experts)
         pieces = boxed_pieces(p, boxed) if boxed is not None else custom(name, p, shape, None) if custom \
             else pieces_of(p, shape, layouts.get(name, TensorLayout()), tp_rank, tp_size)
         entries[name] = Entry(shape, dtype if custom is None else torch.float32, pieces)
@@ -150,7 +162,7 @@ def local_state(engine, *, for_load: bool, manifest: dict | None = None) -> Loca
                         local = v.to_local() if _is_dtensor(v) else v
                         entries[full] = Entry((), v.dtype, [Piece((), local)], "optim", name, key)
                     else:
-                        boxed = getattr(p, "global_offsets", None)
+                        boxed = boxes.get(name)
                         pieces = boxed_pieces(v, boxed) if boxed is not None else custom(name, v, shape, key) \
                             if custom else pieces_of(v, shape, layouts.get(name, TensorLayout()), tp_rank, tp_size)
                         entries[full] = Entry(shape, v.dtype, pieces, "optim", name, key)

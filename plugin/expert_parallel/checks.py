@@ -38,7 +38,8 @@ def check_expert_reach(recipe, layout, backend: str, moe_layers: int, family: st
                     "declares no base_model_ep_plan, and ") + "has no experts module that takes (hidden_states, "
                     "top_k_index, top_k_weights) with its weights stacked by expert, the one the plugin places")
         out.append(Problem("$.parallelism.expert", f"expert {e}: {what}", 'set "expert": 1 (experts under tensor '
-                           'parallelism and ZeRO), or use the reference GPT with "model": {"moe": {...}}'))
+                           'parallelism and ZeRO), or use the reference GPT with "model": {"moe": {...}}, or a '
+                           "transformers MoE family (train.py --model mixtral)"))
     if e > 1 and hf_layers:
         out += _hf_reach(layout, backend, family or "transformers", router_logits)
     if moe_layers == 0:

@@ -52,7 +52,7 @@ def hf_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def cut_experts(whole: nn.Module, ep_rank: int, ep_size: int, group) -> nn.Module:
     """A copy of the transformers experts module ``whole`` holding expert rank ``ep_rank``'s experts (of ``ep_size``),
-    dispatching over ``group``; meta stays meta. Each parameter keeps its name and carries ``global_offsets``, its
+    dispatching over ``group``; meta stays meta. Each parameter keeps its name; ``param_boxes`` gives its
     box's place in the whole stacked tensor (checkpoints store the whole model's names and shapes)."""
     total = whole.num_experts
     local = total // ep_size
@@ -61,10 +61,10 @@ def cut_experts(whole: nn.Module, ep_rank: int, ep_size: int, group) -> nn.Modul
     piece._parameters = {}
     piece._buffers = dict(whole._buffers)
     piece._modules = dict(whole._modules)  # its activation module (no parameters)
+    piece.param_boxes = {}
     for name, p in whole._parameters.items():
-        q = nn.Parameter(p.detach()[first:first + local].clone(), requires_grad=p.requires_grad)
-        q.global_offsets = (first,) + (0,) * (p.dim() - 1)
-        piece._parameters[name] = q
+        piece._parameters[name] = nn.Parameter(p.detach()[first:first + local].clone(), requires_grad=p.requires_grad)
+        piece.param_boxes[name] = (first,) + (0,) * (p.dim() - 1)
     piece.num_experts, piece.ep_first, piece.ep_total, piece.ep_group = local, first, total, group
     piece.forward = functools.partial(_dispatching_forward, piece)
     return piece

@@ -61,8 +61,9 @@ class Experts(nn.Module):
         piece.w1 = nn.Parameter(self.w1.detach()[first:first + local, :, cols].clone())
         piece.w2 = nn.Parameter(self.w2.detach()[first:first + local, cols, :].clone())
         piece.total, piece.first, piece.tensor_group = self.total, first, None
-        # where this rank's box lies in the whole tensors: checkpoints store the whole model's names and shapes
-        piece.w1.global_offsets, piece.w2.global_offsets = (first, 0, cols.start), (first, cols.start, 0)
+        # where this rank's box lies in the whole tensors: checkpoints store the whole model's names and shapes (on the
+        # module, which keeps it when materialising or FSDP2 replaces the parameters)
+        piece.param_boxes = {"w1": (first, 0, cols.start), "w2": (first, cols.start, 0)}
         return piece
 
     def extra_repr(self) -> str:

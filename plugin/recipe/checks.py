@@ -195,10 +195,12 @@ def check_expert(recipe: Recipe, layout: Layout | None) -> Problems:
                       f"(tensor {par.tensor}) or kept whole", f'use "expert_tensor": 1 or {par.tensor}, or drop it')
     if e == 1:
         return
-    if m is not None and moe is None:
+    if m is not None and moe is None:  # a warning: a transformers MoE family sized by this block has experts
         yield Problem("$.parallelism.expert", f"expert {e} places the experts of mixture-of-experts layers over {e} "
-                      "ranks, but the recipe's model has none", 'add "moe": {"experts": N} to $.model, or set '
-                      '"expert": 1')
+                      "ranks, but the recipe's model has none: the reference GPT it describes has no experts (a "
+                      "transformers MoE family sized by it, train.py --model mixtral, has them; checked when the "
+                      "model is built)", 'add "moe": {"experts": N} to $.model for the reference GPT, or set '
+                      '"expert": 1', severity=WARNING)
     if moe is not None and moe.experts % e:
         yield Problem("$.parallelism.expert", f"experts {moe.experts} are not divisible by expert {e}: every expert "
                       "rank holds the same number of whole experts",

@@ -79,7 +79,7 @@ def shard_experts(model, groups, device, **fully_shard_args) -> None:
     of their own over the expert-data group (the ranks holding the same experts: torchtitan's ``dp_mod_ep`` mesh),
     sharded there and reduced there. Their reduce-scatter sums over that group and divides by data x context, not by
     its size: what :func:`plugin.expert_parallel.grads.reduce_expert_grads` does without FSDP2. The parameters'
-    marks (expert, tensor-sharded, the box of the whole tensors a checkpoint writes) pass to FSDP2's parameters."""
+    marks (expert, tensor-sharded) pass to FSDP2's parameters."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -87,7 +87,7 @@ def shard_experts(model, groups, device, **fully_shard_args) -> None:
 
     mesh = DeviceMesh.from_group(groups.expert_data_group, "cpu" if device.type == "meta" else device.type,
                                  mesh_dim_names=("expert_data",))
-    marks = ("expert_parallel", "allreduce", "group_name", "tensor_model_parallel", "global_offsets")
+    marks = ("expert_parallel", "allreduce", "group_name", "tensor_model_parallel")
     for experts in expert_modules(model):
         kept = {n: {k: getattr(p, k) for k in marks if hasattr(p, k)} for n, p in experts.named_parameters()}
         fully_shard(experts, mesh=mesh, **fully_shard_args)
