@@ -19,7 +19,8 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 class AuxLoss:
-    """``loss_fn(output, labels) + coef * sum(layer.aux_loss)``; other attributes (``prepare``) pass through."""
+    """``loss_fn(output, labels) + coef * sum(layer.aux_loss) + sum(layer.z_loss_coef * layer.z_loss)``; other
+    attributes (``prepare``) pass through."""
 
     def __init__(self, loss_fn: Callable, layers: list[MoE], coef: float):
         self.loss_fn, self.layers, self.coef = loss_fn, layers, coef
@@ -30,10 +31,13 @@ class AuxLoss:
     def __call__(self, output, labels):
         loss = self.loss_fn(output, labels)
         kept = [m.aux_loss for m in self.layers if m.aux_loss is not None]
+        z = [m.z_loss_coef * m.z_loss for m in self.layers if m.z_loss is not None]
         for m in self.layers:
-            m.aux_loss = None
+            m.aux_loss = m.z_loss = None
         if kept and self.coef:
             loss = loss + self.coef * sum(kept).to(loss.dtype)
+        if z:
+            loss = loss + sum(z).to(loss.dtype)
         return loss
 
 

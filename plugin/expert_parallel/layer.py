@@ -20,7 +20,7 @@ from torch import nn
 from ..tensor_parallel.comm import copy_to_tensor_region, reduce_from_tensor_region
 from .comm import group_size
 from .dispatch import dispatch_combine
-from .router import load_balancing_loss, sigmoid_top_k, softmax_top_k, updated_bias
+from .router import load_balancing_loss, router_z_loss, sigmoid_top_k, softmax_top_k, updated_bias
 
 
 @dataclass(frozen=True)
@@ -76,10 +76,12 @@ class MoE(nn.Module):
     ``router``: ``"softmax"`` (with the load-balancing loss) or ``"sigmoid"`` (DeepSeek-V3: ``score_bias``, a
     parameter without gradient, steers the choice; each training forward adds its choices to ``load``, and
     :meth:`update_bias`, called after every optimizer step, sums them over data x context and moves the bias by
-    ``bias_update_rate`` towards balance: the same on every rank and layout as on one process)."""
+    ``bias_update_rate`` towards balance: the same on every rank and layout as on one process). ``z_loss_coef`` > 0:
+    each training forward also keeps ST-MoE's router z-loss in ``z_loss``, added to the loss times that coefficient
+    (:mod:`.aux`)."""
 
     def __init__(self, hidden: int, experts: int, top_k: int, ffn_hidden: int, router: str = "softmax",
-                 bias_update_rate: float = 0.001):
+                 bias_update_rate: float = 0.001, z_loss_coef: float = 0.0):
         super().__init__()
         self.router = nn.Linear(hidden, experts, bias=False)
         self.kind, self.bias_update_rate = router, bias_update_rate
@@ -90,6 +92,8 @@ class MoE(nn.Module):
         self.top_k = top_k
         self.ep = ExpertContext()
         self.aux_loss: torch.Tensor | None = None
+        self.z_loss_coef = z_loss_coef  # > 0: each training forward keeps its router z-loss in z_loss
+        self.z_loss: torch.Tensor | None = None
         self.force_expert: int | None = None  # tests: every token's first choice is this expert (an unbalanced routing)
 
     def forward(self, x: torch.Tensor, out_bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,6 +102,8 @@ class MoE(nn.Module):
         logits = self.router(tokens)
         if self.force_expert is not None:  # a large margin on one expert: differentiable, and every token goes there
             logits = logits + F.one_hot(torch.full((1,), self.force_expert), logits.shape[-1]).to(logits.dtype) * 8.0
+        if self.z_loss_coef and self.training and torch.is_grad_enabled():
+            self.z_loss = router_z_loss(logits)
         if self.kind == "sigmoid":
             _, weights, chosen = sigmoid_top_k(logits, self.score_bias, self.top_k)
             if self.training and torch.is_grad_enabled():

@@ -5,7 +5,7 @@ renormalised to sum to one. The load-balancing loss is Switch's and Mixtral's ``
 share of the (token, slot) choices that went to expert ``e``, ``P_e`` the mean router probability of ``e``. Both means
 run over every token of one micro-batch step on every data x context rank (``group``: the counts and probability
 sums are added over it), so the loss is what one process computes on those tokens together, whatever the layout;
-with a group of one, the micro-batch's own tokens.
+with a group of one, the micro-batch's own tokens. The router z-loss (ST-MoE), a plain mean, needs no collective.
 """
 from __future__ import annotations
 
@@ -51,6 +51,18 @@ def updated_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.T
     [-0.10000000149011612, 0.10000000149011612, 0.0]
     """
     return bias + rate * torch.sign(load.mean() - load)
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss (Zoph et al. 2022): the mean over the tokens of ``logsumexp(logits)^2``, which keeps
+    the router's logits small. This rank's tokens only, unlike the load-balancing loss: a mean is linear, so the mean
+    of the data ranks' means (the back ends average the losses and the gradients over data x context, each rank
+    holding as many tokens) is the mean over all of them, what one process computes.
+
+    >>> round(float(router_z_loss(torch.zeros(2, 4))), 4)  # logsumexp = ln 4 for every token
+    1.9218
+    """
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
 
 
 def load_balancing_loss(probs: torch.Tensor, chosen: torch.Tensor, group=None) -> torch.Tensor:

@@ -151,7 +151,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(config.hidden, eps=config.norm_eps, bias=config.bias)
         if config.is_moe_block(index):
             self.moe = MoE(config.hidden, config.moe_experts, config.moe_top_k, config.moe_ffn_hidden_resolved,
-                           router=config.moe_router, bias_update_rate=config.moe_bias_update_rate)
+                           router=config.moe_router, bias_update_rate=config.moe_bias_update_rate,
+                           z_loss_coef=config.moe_z_loss_coef)
         else:
             self.mlp = MLP(config)
         self.dropout = config.dropout

@@ -36,6 +36,7 @@ class GPTConfig:
     moe_aux_loss_coef: float = 0.01
     moe_router: str = "softmax"
     moe_bias_update_rate: float = 0.001
+    moe_z_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -96,7 +97,8 @@ class GPTConfig:
         if moe is not None:
             values.update(moe_experts=moe.experts, moe_top_k=moe.top_k, moe_every=moe.every,
                           moe_ffn_hidden=moe.ffn_hidden, moe_aux_loss_coef=moe.aux_loss_coef,
-                          moe_router=moe.router, moe_bias_update_rate=moe.bias_update_rate)
+                          moe_router=moe.router, moe_bias_update_rate=moe.bias_update_rate,
+                          moe_z_loss_coef=moe.z_loss_coef)
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
             raise GPTConfigError(f"GPTConfig has no field(s) {sorted(unknown)}")

@@ -60,7 +60,7 @@ class ModelSpec:
     moe_top_k: int = 2
     moe_every: int = 1
     moe_ffn_hidden: int | None = None
-    # the recipe's model.moe settings that count nothing (router, aux_loss_coef, bias_update_rate), where they are not
+    # the recipe's model.moe settings that count nothing (router, the loss coefficients, bias_update_rate), where not
     # the recipe's defaults: (key, value) pairs, so that a written recipe trains the model it was planned for
     moe_options: tuple = ()
     name: str = "model"
@@ -257,7 +257,7 @@ _CHOICES = {"mlp": MLP_KINDS, "norm": NORM_KINDS, "positions": POSITION_KINDS}
 _BOOLS = ("bias", "tied_embeddings")
 # Keys a --model JSON may carry besides the dims and dropout: a preset's notes.
 _IGNORED = ("source", "name", "description", "aliases", "paper_params")
-_MOE_OPTIONS = ("aux_loss_coef", "router", "bias_update_rate")  # model.moe keys that count nothing
+_MOE_OPTIONS = ("aux_loss_coef", "router", "bias_update_rate", "z_loss_coef")  # model.moe keys that count nothing
 
 
 def _moe_options(block: Mapping[str, Any]) -> tuple:

@@ -140,7 +140,8 @@ class MoE:
     ``every``-th block (blocks ``every - 1``, ``2 every - 1``, ...): ``experts`` experts of inner size
     ``ffn_hidden`` (absent: the model's), each token sent to its ``top_k`` by the ``router`` (``"softmax"``, or
     DeepSeek-V3's ``"sigmoid"`` with its score-correction bias moved by ``bias_update_rate`` after every step),
-    dropless; the load-balancing loss times ``aux_loss_coef`` is added to the training loss."""
+    dropless; the load-balancing loss times ``aux_loss_coef`` (and ST-MoE's router z-loss times ``z_loss_coef``) is
+    added to the training loss."""
     experts: int
     top_k: int = 2
     every: int = 1
@@ -148,6 +149,7 @@ class MoE:
     aux_loss_coef: float = 0.01
     router: str = "softmax"
     bias_update_rate: float = 0.001
+    z_loss_coef: float = 0.0
 
 
 @dataclass(frozen=True)

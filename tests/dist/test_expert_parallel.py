@@ -46,6 +46,8 @@ LAYOUTS = {  # name -> (parallelism, moe overrides, forced expert, rtol)
     # DeepSeek-V3's router: sigmoid scores, the choice steered by a bias that moves after every step (its final value
     # is compared with the parameters: the loads summed over data x context, as one process counts them)
     "expert2_sigmoid_bias": ({"data": 4, "expert": 2}, {"router": "sigmoid", "bias_update_rate": 0.05}, None, 1e-5),
+    # ST-MoE's router z-loss (a coefficient large enough that leaving it out moves the losses)
+    "expert2_z_loss": ({"data": 4, "expert": 2}, {"z_loss_coef": 0.5}, None, 1e-5),
     # no expert axis: the experts split over the tensor group only, and sharded with the rest by ZeRO
     "tensor2_split_experts": ({"data": 2, "tensor": 2}, {}, None, 1e-4),
     "zero3_moe": ({"data": 4, "zero_stage": 3}, {}, None, 1e-5),  # FSDP2
@@ -114,7 +116,8 @@ def _reference(recipe, forced, steps=STEPS):
         x, y = data.global_batch(step, lay.global_batch)
         total = 0.0
         for xs, ys in zip(_micro_steps(x, lay), _micro_steps(y, lay), strict=True):
-            loss = gpt_loss(model(xs), ys) + coef * sum(m.aux_loss for m in moes if m.aux_loss is not None)
+            loss = gpt_loss(model(xs), ys) + coef * sum(m.aux_loss for m in moes if m.aux_loss is not None) \
+                + sum(m.z_loss_coef * m.z_loss for m in moes if m.z_loss is not None)
             (loss / lay.grad_accum).backward()
             total += float(loss.detach()) / lay.grad_accum
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.gradient_clipping)))
@@ -217,6 +220,9 @@ HF_LAYOUTS = {  # family -> (parallelism, ZeRO stage)
     "qwen2_moe": ({"data": 4, "expert": 4}, 1),  # a shared expert and its gate, whole on every rank
     "deepseek_v3": ({"data": 4, "expert": 2}, 3),  # sigmoid routing over groups with its correction bias; FSDP2
     "olmoe": ({"data": 4, "expert": 2}, 2),  # FSDP2 at ZeRO-2 (context parallelism runs other families)
+    # zero-computation (identity) experts: their choices sent to real experts with weight 0, their output added
+    # by the block
+    "longcat_flash": ({"data": 4, "expert": 4}, 0),
 }
 HF_ROWS, HF_SEQ, HF_LR, HF_CLIP = 8, 16, 2.0, 0.02
 
