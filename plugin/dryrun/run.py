@@ -35,6 +35,7 @@ def dry_run(recipe, *, model: str = "gpt", world_size: int | None = None, ranks:
     """Simulate ``ranks`` (default :func:`plugin.dryrun.ranks.default_ranks`; with ``verify`` also one whole group of
     each axis) of ``recipe`` at ``world_size``; the result (:mod:`.report` prints it)."""
     from .simulate import make_cache, simulate_rank
+    from .stages import MissingStage
 
     if recipe.model is not None and recipe.model.moe is not None:
         # dropless dispatch sizes its all-to-alls by counting each expert's tokens: values a meta tensor does not have
@@ -51,18 +52,31 @@ def dry_run(recipe, *, model: str = "gpt", world_size: int | None = None, ranks:
     chosen = with_earlier_stages(chosen, topology)
     start = time.perf_counter()
     cache = make_cache(recipe, model, world)
-    reports = []
-    for i, rank in enumerate(chosen):
-        try:
-            reports.append(simulate_rank(recipe, model, world, rank, cache))
-        except RecipeError:
-            raise  # the recipe against the model: the same on every rank, said with its JSON paths
-        except PluginError as e:
-            c = topology.coord(rank)
-            raise PluginError(f"rank {rank} (pipeline {c.pp}, data {c.dp}, context {c.cp}, tensor {c.tp}): {e}") \
-                from e
-        if progress:
-            progress(i + 1, len(chosen), rank)
+    reports, waiting = {}, list(chosen)
+    while waiting:
+        # Interleaved schedules: rank 0's virtual stage 2 takes its input shapes from rank 1's stage 1, whose own stage
+        # 3 takes them from rank 0's stage 2. A rank whose stage finds no shapes yet is simulated again after the
+        # others, which recorded theirs (each stage sends its shapes at its first forward, before it waits).
+        deferred, known = [], len(cache.stages.forward)
+        for rank in waiting:
+            try:
+                reports[rank] = simulate_rank(recipe, model, world, rank, cache)
+            except MissingStage:
+                deferred.append(rank)
+                continue
+            except RecipeError:
+                raise  # the recipe against the model: the same on every rank, said with its JSON paths
+            except PluginError as e:
+                c = topology.coord(rank)
+                raise PluginError(f"rank {rank} (pipeline {c.pp}, data {c.dp}, context {c.cp}, tensor {c.tp}): "
+                                  f"{e}") from e
+            if progress:
+                progress(len(reports), len(chosen), rank)
+        if deferred and len(cache.stages.forward) == known:  # a pass that recorded no shapes: they will never come
+            raise PluginError(f"ranks {deferred}: their pipeline stages wait for input shapes that no simulated stage "
+                              "sends -> dry-run them with --ranks all")
+        waiting = deferred
+    reports = [reports[r] for r in chosen]
     seconds = time.perf_counter() - start
     gpu = recipe.cluster.gpu_memory_gb if recipe.cluster is not None else None
     return {"recipe": recipe.name, "world_size": world, "model": model, "zero": recipe.zero.stage,

@@ -130,3 +130,23 @@ def test_moe_layers_are_refused_with_what_to_do_instead(tmp_path):
     with pytest.raises(PluginError, match=r"MoE layers \(model.moe\) .* the dry run does not simulate them yet -> "
                        r"dry-run the recipe without its model.moe block"):
         dry_run(load_recipe(path))
+
+
+def test_an_interleaved_schedule_whose_stages_wait_on_each_other_is_simulated(tmp_path):
+    """Interleaved 1F1B: rank 0's virtual stage 2 takes its input shapes from rank 1's stage 1, whose stage 3 takes
+    them from rank 0's stage 2. Each rank is simulated again once the others sent their shapes; it once stopped with
+    a traceback (MissingStage) on a recipe ``validate`` accepts."""
+    from plugin.dryrun.run import dry_run
+
+    recipe = json.loads((recipes_dir() / "cpu_tp2_pp2.json").read_text())
+    recipe["parallelism"] = {"data": 1, "tensor": 1, "pipeline": 2}
+    recipe["pipeline_parallel"] = {"schedule": "interleaved_1f1b", "virtual_stages": 2, "partition": "uniform"}
+    recipe["model"]["layers"] = 4
+    recipe["batch"] = {"global": 4, "micro": 2}
+    path = tmp_path / "interleaved.json"
+    path.write_text(json.dumps(recipe))
+    result = dry_run(load_recipe(path))
+    assert [r["rank"] for r in result["ranks"]] == [0, 1]
+    assert all(c["ok"] for c in result["checks"]), result["checks"]
+    (pipeline,) = [c for c in result["checks"] if c["name"] == "pipeline"]
+    assert "each with its receive" in pipeline["detail"], pipeline
