@@ -37,12 +37,6 @@ def dry_run(recipe, *, model: str = "gpt", world_size: int | None = None, ranks:
     from .simulate import make_cache, simulate_rank
     from .stages import MissingStage
 
-    if recipe.model is not None and recipe.model.moe is not None:
-        # dropless dispatch sizes its all-to-alls by counting each expert's tokens: values a meta tensor does not have
-        raise PluginError("MoE layers (model.moe) send each token where its router's scores say, and meta tensors "
-                          "hold no scores: the dry run does not simulate them yet -> dry-run the recipe without its "
-                          "model.moe block for the dense part's groups and collectives; `plugin estimate` counts the "
-                          "experts' bytes and all-to-all traffic")
     layout = recipe.layout(world_size)
     topology = Topology.from_layout(layout)
     world = topology.world_size

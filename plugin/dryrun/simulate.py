@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..distributed.topology import Topology
+from ..expert_parallel import is_expert_param
 from ..planning.for_recipe import expected_model_states_for_recipe
 from .backend import simulated_rank
 from .ranks import compress
@@ -61,10 +62,11 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def _optimizer_states(optimizer) -> list:
-    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's local optimizer
+def _optimizer_states(local) -> list:
+    """The state tensors of ``local``, the engine's local optimizer (ZeroRedundancyOptimizer's partition's; with an
+    expert axis at ZeRO-1, both partitions')."""
     seen, out = set(), []
-    for state in inner.state.values():
+    for state in local.state.values():
         for t in state.values():
             if isinstance(t, torch.Tensor) and id(t) not in seen:
                 seen.add(id(t))
@@ -146,7 +148,7 @@ def _count_at_update(engine) -> dict:
     def counting(*args, **kwargs):
         grads = [t for t in engine.clip_params() if t.grad is not None]
         found["gradients"] = sum(_nbytes(t.grad) for t in grads)
-        found["optimizer_states"] = sum(_nbytes(t) for t in _optimizer_states(optimizer))
+        found["optimizer_states"] = sum(_nbytes(t) for t in _optimizer_states(engine.local_optimizer()))
         return zero_grad(*args, **kwargs)
 
     optimizer.zero_grad = counting
@@ -177,20 +179,25 @@ def simulate_rank(recipe, model_name: str, world_size: int, rank: int, cache: Ca
         params = _unique_params(engine.container)
         tp_rank, skip = groups.tp_rank, getattr(engine, "norm_skip", frozenset())
         sharded = engine.tensor_sharded
-        counted = sum(p.numel() for _, p in params if id(p) not in skip
-                      and (tp_rank == 0 or id(p) in sharded or getattr(p, "tensor_model_parallel", False)))
+        counted_ids = {id(p) for _, p in params if id(p) not in skip
+                       and (tp_rank == 0 or id(p) in sharded or getattr(p, "tensor_model_parallel", False))}
+        # an expert rank's experts stand for its expert group's: each of the E ranks holds as many, others
+        experts = sum(p.numel() for _, p in params if id(p) in counted_ids and is_expert_param(p))
+        counted = sum(p.numel() for _, p in params if id(p) in counted_ids) + experts * (groups.ep_size - 1)
         held = {"parameters": sum(_nbytes(p) for _, p in params), **peak}
         held["total"] = sum(held.values())
         coord = topology.coord(rank)
         report = {
             "rank": rank,
             "stepped": stepped,
-            "coordinates": {"pipeline": coord.pp, "data": coord.dp, "context": coord.cp, "tensor": coord.tp},
+            "coordinates": {"pipeline": coord.pp, "data": coord.dp, "context": coord.cp, "tensor": coord.tp,
+                            **({"expert": groups.ep_rank} if groups.ep_size > 1 else {})},
             "groups": {axis: compress(getattr(groups, f"{axis}_ranks")) for axis in topology.AXES
                        if getattr(groups, f"{axis}_ranks", None)},
             "groups_built": sorted({compress(g) for g in built}),
             "parameters": sum(_local(p).numel() for _, p in params),
             "parameters_counted": counted,
+            "expert_parameters": experts,
             "bytes": held,
             "estimate": cache.estimate(recipe, world_size, coord.pp),
             "collectives": _collectives(calls, names),

@@ -11,7 +11,8 @@ For ``T`` tokens with ``k`` choices each, on each rank of an expert group of ``p
     weighted by the router, summed        -> [T, hidden]
 
 No capacity factor, no padding, nothing dropped: the layout computes what one process computes (one process is the
-same code with a group of one). Autograd runs through both all-to-alls (:func:`.comm.all_to_all`).
+same code with a group of one). On the meta device (the dry run) a uniform routing stands in for the router's.
+Autograd runs through both all-to-alls (:func:`.comm.all_to_all`).
 """
 from __future__ import annotations
 
@@ -29,19 +30,32 @@ def dispatch_combine(tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.
     order = torch.argsort(flat, stable=True)
     source = order // chosen.shape[-1]  # the token of each sorted choice
     rows = tokens.index_select(0, source)
-    counts = torch.bincount(flat, minlength=total).view(p, local)
+    meta = flat.device.type == "meta"  # the dry run: no router values, a uniform routing stands in (uniform_counts)
+    counts = (uniform_counts(flat.numel(), total) if meta else torch.bincount(flat, minlength=total)).view(p, local)
     if p == 1:
         out = experts(rows, counts[0].tolist())
     else:
         received = exchange_counts(counts, group)  # [p, L]: rows from rank r for each of this rank's experts
+        if meta:  # recorded, not answered: under a uniform routing every rank sends every expert the same rows
+            received = counts
         send, recv = counts.sum(dim=1).tolist(), received.sum(dim=1).tolist()
         arrived = all_to_all(rows, send, recv, group)  # by source rank, then local expert
-        by_expert = _expert_major(received)
+        by_expert = _expert_major(received.cpu()).to(tokens.device)  # built on the host from the counts
         out = experts(arrived.index_select(0, by_expert), received.sum(dim=0).tolist())
         out = out.index_select(0, torch.argsort(by_expert))  # back to source-major order
         out = all_to_all(out, recv, send, group)
     scale = weights.reshape(-1).index_select(0, order).to(out.dtype)
     return torch.zeros_like(tokens).index_add(0, source, out * scale.unsqueeze(-1))
+
+
+def uniform_counts(choices: int, experts: int) -> torch.Tensor:
+    """``choices`` spread over ``experts`` as evenly as integers go (the first ones one more): the routing the dry
+    run assumes, where meta tensors hold no router scores.
+
+    >>> uniform_counts(10, 4).tolist()
+    [3, 3, 2, 2]
+    """
+    return torch.tensor([choices // experts + (e < choices % experts) for e in range(experts)])
 
 
 def _expert_major(received: torch.Tensor) -> torch.Tensor:

@@ -106,7 +106,7 @@ class MoE(nn.Module):
             self.z_loss = router_z_loss(logits)
         if self.kind == "sigmoid":
             _, weights, chosen = sigmoid_top_k(logits, self.score_bias, self.top_k)
-            if self.training and torch.is_grad_enabled():
+            if self.training and torch.is_grad_enabled() and not chosen.is_meta:  # meta: the dry run, no loads
                 counts = torch.bincount(chosen.reshape(-1), minlength=logits.shape[-1]).float()
                 self.load = counts if self.load is None else self.load + counts
         else:

@@ -75,7 +75,8 @@ def load_balancing_loss(probs: torch.Tensor, chosen: torch.Tensor, group=None) -
     1.0
     """
     experts = probs.shape[-1]
-    counts = torch.bincount(chosen.reshape(-1), minlength=experts).to(probs.dtype)
+    counts = probs.new_zeros(experts) if chosen.is_meta else \
+        torch.bincount(chosen.reshape(-1), minlength=experts).to(probs.dtype)  # meta: the dry run, no counts
     stats = torch.cat([counts, counts.new_tensor([probs.shape[0]])])
     if group_size(group) > 1:
         dist.all_reduce(stats, group=group)  # counts are not differentiable: a plain sum

@@ -116,20 +116,31 @@ def test_a_pipeline_cut_the_model_cannot_take_is_named_with_its_rank(tmp_path):
         dry_run(load_recipe(path), ranks=[2])
 
 
-def test_moe_layers_are_refused_with_what_to_do_instead(tmp_path):
-    """Dropless dispatch sizes its all-to-alls by the router's values, which meta tensors lack: a MoE recipe is refused
-    with the way round it, before any rank is simulated, where it once died in aten::bincount on meta."""
+def test_an_expert_axis_is_simulated_under_a_uniform_routing_and_a_bad_expert_count_named(tmp_path):
+    """Meta tensors hold no router scores: a uniform routing stands in (it once died in aten::bincount on meta, then
+    was refused). The expert groups and their all-to-alls are reported under the axis names, each rank's experts count
+    for its expert group's, and the checks pass; experts that do not divide over the expert degree are named before
+    any rank is built (the command exits 2)."""
     from plugin.dryrun.run import dry_run
-    from plugin.errors import PluginError
 
     recipe = json.loads((recipes_dir() / "cpu_dp4.json").read_text())
-    recipe["parallelism"]["expert"], recipe["zero"] = 2, {"stage": 0}
+    recipe["parallelism"]["expert"], recipe["zero"] = 2, {"stage": 1}
     recipe["model"]["moe"] = {"experts": 4, "top_k": 2, "every": 2}
     path = tmp_path / "moe.json"
     path.write_text(json.dumps(recipe))
-    with pytest.raises(PluginError, match=r"MoE layers \(model.moe\) .* the dry run does not simulate them yet -> "
-                       r"dry-run the recipe without its model.moe block"):
-        dry_run(load_recipe(path))
+    result = dry_run(load_recipe(path))
+    assert all(c["ok"] for c in result["checks"]), result["checks"]
+    rank0 = result["ranks"][0]
+    assert rank0["coordinates"]["expert"] == 0 and rank0["groups"]["expert"] == "0,1", rank0["groups"]
+    ops = {(c["op"], c["group"]) for c in rank0["collectives"]}
+    # the tokens there and back, the experts' gradients and their ZeRO-1 partition's broadcast over expert-data
+    assert {("all_to_all", "expert"), ("all_reduce", "expert_data"), ("broadcast", "expert_data")} <= ops, ops
+    assert rank0["expert_parameters"] > 0 and rank0["bytes"]["optimizer_states"] > 0
+    recipe["model"]["moe"]["experts"] = 3
+    path.write_text(json.dumps(recipe))
+    run = subprocess.run([sys.executable, "-m", "plugin", "dryrun", str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and "experts 3 are not divisible by expert 2" in run.stderr + run.stdout, run
 
 
 def test_an_interleaved_schedule_whose_stages_wait_on_each_other_is_simulated(tmp_path):
