@@ -74,8 +74,9 @@ def native_only(recipe) -> str | None:
 
     if moe is None:  # an expert axis on a model built elsewhere (a transformers family's experts)
         return moe_native_only(None, par.expert, 1).get("spread") if par.expert > 1 else None
-    reasons = moe_native_only(moe.router, par.expert, None if par.data == "auto" else par.data * par.context)
-    return reasons.get("router") or reasons.get("spread")
+    reasons = moe_native_only(moe.router, par.expert, None if par.data == "auto" else par.data * par.context,
+                              par.pipeline)
+    return reasons.get("router") or reasons.get("spread") or reasons.get("pipeline")
 
 
 def choose(recipe, *, environ: Mapping[str, str], has_deepspeed: bool, cuda: bool,

@@ -1,18 +1,19 @@
 """What the expert axis reaches today, checked before any process group: the reference GPT's MoE layers
 (:class:`.layer.MoE`) on the native back end at ZeRO 0-3 (DDP, ZeroRedundancyOptimizer, FSDP2: the experts over the
-expert-data group), with tensor and context parallelism, without pipeline stages. Everything else with an expert
-axis (or with MoE layers whose load-balancing statistics need the groups) is refused by name here, so that nothing
-trains differently from one process."""
+expert-data group), with tensor and context parallelism, and pipeline stages (softmax router). Everything else with
+an expert axis (or with MoE layers whose load-balancing statistics need the groups) is refused by name here, so that
+nothing trains differently from one process."""
 from __future__ import annotations
 
 from ..errors import Problem
 
 
-def moe_native_only(router: str | None, expert: int, data_ranks: int | None) -> dict[str, str]:
+def moe_native_only(router: str | None, expert: int, data_ranks: int | None, pipeline: int = 1) -> dict[str, str]:
     """What of MoE layers only the native back end reaches (empty: any back end), the one statement of that rule:
     ``"router"`` for the sigmoid router (its bias update after each step), ``"spread"`` for layers over more than one
     data rank (``expert`` > 1, or ``data_ranks`` = data x context above 1, or None: ``"auto"``, known at the launch),
-    whose expert groups and load-balancing statistics :mod:`plugin.expert_parallel` builds on the native back end.
+    whose expert groups and load-balancing statistics :mod:`plugin.expert_parallel` builds on the native back end,
+    ``"pipeline"`` for layers in pipeline stages (``pipeline`` > 1), whose terms reach the loss there.
     :func:`plugin.engines.choose.native_only` picks the back end by it, :func:`check_expert_reach` refuses the
     others by it."""
     out = {}
@@ -21,6 +22,9 @@ def moe_native_only(router: str | None, expert: int, data_ranks: int | None) -> 
     if expert > 1 or data_ranks is None or data_ranks > 1:
         out["spread"] = ("MoE layers over more than one data rank: their expert groups and balancing are the native "
                          "back end's")
+    if pipeline > 1:
+        out["pipeline"] = ("MoE layers in pipeline stages: the terms each stage attaches to its output are the native "
+                           "back end's")
     return out
 
 
@@ -46,7 +50,7 @@ def check_expert_reach(recipe, layout, backend: str, moe_layers: int, family: st
         return out
     moe = recipe.model.moe if recipe.model is not None else None
     native = {} if backend == "native" else moe_native_only(moe.router if moe is not None else None, e,
-                                                              layout.data * layout.context)
+                                                              layout.data * layout.context, layout.pipeline)
     if "spread" in native:
         out.append(Problem("$.parallelism.expert" if e > 1 else "$.model.moe", f"MoE layers on the {backend} back end "
                            "over more than one data rank: its expert groups and the load-balancing statistics over "
@@ -56,10 +60,15 @@ def check_expert_reach(recipe, layout, backend: str, moe_layers: int, family: st
         out.append(Problem("$.model.moe.router", f'the "sigmoid" router on the {backend} back end: its bias update '
                            "after each step is the native back end's (not reached there yet)",
                            'use the native back end ("launcher": "torchrun"), or "router": "softmax"'))
-    if layout.pipeline > 1:
-        out.append(Problem("$.parallelism.pipeline", f"MoE layers with pipeline {layout.pipeline}: the load-balancing "
-                           "losses of stages before the last would not reach the loss (not reached yet)",
-                           'use "pipeline": 1 with MoE layers'))
+    if "pipeline" in native:
+        out.append(Problem("$.parallelism.pipeline", f"MoE layers with pipeline {layout.pipeline} on the {backend} "
+                           "back end: the load-balancing terms of stages before the last would not reach the loss "
+                           "there (the native back end attaches them to each stage's output)",
+                           'use the native back end ("launcher": "torchrun"), or "pipeline": 1'))
+    elif layout.pipeline > 1 and moe is not None and moe.router == "sigmoid":
+        out.append(Problem("$.model.moe.router", f'the "sigmoid" router with pipeline {layout.pipeline}: the schedule '
+                           "runs its first micro-batch once more to learn the shapes, which would count its loads "
+                           "twice in the bias update (not reached yet)", 'use "router": "softmax", or "pipeline": 1'))
     if recipe.tensor_parallel.sequence_parallel and layout.tensor > 1:
         out.append(Problem("$.tensor_parallel.sequence_parallel", "sequence parallelism with MoE layers: each tensor "
                            "rank would route a different slice of the tokens (not reached yet)",

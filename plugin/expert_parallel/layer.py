@@ -95,6 +95,9 @@ class MoE(nn.Module):
         self.z_loss_coef = z_loss_coef  # > 0: each training forward keeps its router z-loss in z_loss
         self.z_loss: torch.Tensor | None = None
         self.force_expert: int | None = None  # tests: every token's first choice is this expert (an unbalanced routing)
+        # pipeline stages (.aux.StageLosses): (output, weighted term) -> output carrying the term's gradient
+        self.attach = None
+        self.aux_loss_coef = 0.0  # set with attach: the load-balancing term's weight
 
     def forward(self, x: torch.Tensor, out_bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
@@ -114,6 +117,11 @@ class MoE(nn.Module):
             if self.training and torch.is_grad_enabled():
                 self.aux_loss = load_balancing_loss(probs, chosen, self.ep.data_context_group)
         y = dispatch_combine(tokens, chosen, weights.to(tokens.dtype), self.experts, self.ep.expert_group)
+        if self.attach is not None and (self.aux_loss is not None or self.z_loss is not None):
+            term = sum(t for t in (None if self.aux_loss is None else self.aux_loss_coef * self.aux_loss,
+                                   None if self.z_loss is None else self.z_loss_coef * self.z_loss) if t is not None)
+            y = self.attach(y, term)
+            self.aux_loss = self.z_loss = None  # carried by the output, not by the loss function
         return y.reshape(shape)
 
     @torch.no_grad()

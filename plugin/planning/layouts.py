@@ -16,8 +16,8 @@ Each rule is one of :mod:`plugin.recipe.checks`, asked of numbers instead of a r
   stage count up to that);
 - a mixture of experts: the expert degree E divides data x context and the experts (``check_expert``), each
   expert's inner size divides over T (the experts split over the tensor group, ``check_expert``), and what the
-  expert axis reaches (:func:`plugin.expert_parallel.checks.check_expert_reach`): no pipeline stages and no
-  sequence parallelism with MoE layers, any ZeRO stage.
+  expert axis reaches (:func:`plugin.expert_parallel.checks.check_expert_reach`): no sequence parallelism with MoE
+  layers, no pipeline stages with the sigmoid router, any ZeRO stage the recipe checks allow.
 
 ``tests/unit/planning/test_layouts.py`` holds every predicate to the recipe check it mirrors.
 """
@@ -43,9 +43,11 @@ def tensor_sizes(spec: ModelSpec, gpus: int) -> list[int]:
 
 
 def pipeline_sizes(spec: ModelSpec, gpus: int) -> list[int]:
-    """Pipeline sizes that divide ``gpus``, no more than the layers; 1 alone for MoE layers (their load-balancing
-    terms would miss the loss on stages before the last)."""
-    return [1] if spec.moe_experts else [p for p in divisors(gpus) if p <= spec.layers]
+    """Pipeline sizes that divide ``gpus``, no more than the layers; 1 alone for MoE layers with the sigmoid router
+    (the schedule's shape-inferring forward would count its loads twice)."""
+    if spec.moe_experts and dict(spec.moe_options).get("router") == "sigmoid":
+        return [1]
+    return [p for p in divisors(gpus) if p <= spec.layers]
 
 
 def expert_sizes(spec: ModelSpec, replicas: int) -> list[int]:

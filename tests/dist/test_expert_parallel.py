@@ -15,7 +15,8 @@ over the expert group, is compared):
   losses, the gradient norms, every gradient of the first step (after clipping) and every parameter after the last
   step that the rank holds whole or as an expert slice (tensor-split dense weights are seen through the norm), rel
   1e-5 (1e-4 through tensor parallelism);
-* what the axis does not reach (ZeRO-1, pipeline, DeepSpeed) refused on every rank before any group;
+* what the axis does not reach (sequence parallelism, the sigmoid router in pipeline stages, DeepSpeed) refused on every
+  rank before any group;
 * checkpoints across expert degrees: expert 2 trains 2 steps and saves, expert 1 resumes for step 3 and saves,
   expert 4 resumes for step 4, each step one process's loss and gradient norm.
 
@@ -51,6 +52,10 @@ LAYOUTS = {  # name -> (parallelism, moe overrides, forced expert, rtol)
     # no expert axis: the experts split over the tensor group only, and sharded with the rest by ZeRO
     "tensor2_split_experts": ({"data": 2, "tensor": 2}, {}, None, 1e-4),
     "zero3_moe": ({"data": 4, "zero_stage": 3}, {}, None, 1e-5),  # FSDP2
+    # pipeline stages (1F1B, 4 micro-batches): a MoE block on each stage, whose terms the first stage attaches to its
+    # output (the loss is the last stage's), at expert 2 over data 2, and split over tensor 2
+    "expert2_pipeline2": ({"data": 2, "pipeline": 2, "expert": 2}, {"every": 1}, None, 1e-5),
+    "tensor2_pipeline2_moe": ({"data": 1, "tensor": 2, "pipeline": 2}, {"every": 1}, None, 1e-4),
     # the expert axis under ZeRO: the experts' states (ZeRO-1: ZeroRedundancyOptimizer; edp 1: a plain optimizer) or
     # their gradients and states too (ZeRO-2/3: their own FSDP2 units) over the expert-data group, the rest over data
     "expert2_zero1": ({"data": 4, "expert": 2, "zero_stage": 1}, {}, None, 1e-5),
@@ -62,8 +67,8 @@ LAYOUTS = {  # name -> (parallelism, moe overrides, forced expert, rtol)
 REFUSED = {  # before any group, on every rank: what the axis does not reach yet
     "sequence_parallel": ({"data": 2, "tensor": 2, "expert": 2}, {"tensor_parallel": {"sequence_parallel": True}},
                           "$.tensor_parallel.sequence_parallel"),
-    "pipeline": ({"data": 2, "pipeline": 2, "expert": 2}, {"batch": {"global": 16, "micro": 2, "grad_accum": 4}},
-                 "$.parallelism.pipeline"),
+    "pipeline_sigmoid": ({"data": 2, "pipeline": 2, "expert": 2},
+                         {"model": {**MODEL, "moe": {**MODEL["moe"], "router": "sigmoid"}}}, "$.model.moe.router"),
     "deepspeed": ({"data": 4, "expert": 2}, {"launcher": "deepspeed"}, "$.parallelism.expert"),
 }
 
@@ -159,12 +164,13 @@ def _layouts(rank, world, path, directory):
         meta = name.endswith("_meta")
         engine = plugin.initialize((lambda recipe=recipe, forced=forced: _model(recipe, forced)) if meta
                                    else _model(recipe, forced), recipe, backend="native", seed=0 if meta else None)
-        module = engine.container
+        module = engine.whole_model  # names as one process's; a pipeline rank holds its stages' parameters only
         first = {}
 
-        def keep(opt, args, kwargs, module=module, first=first):
+        def keep(opt, args, kwargs, engine=engine, first=first):
             if not first:
-                first.update({n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None})
+                first.update({n: p.grad.detach().clone() for n, p in engine.named_local_params().items()
+                              if p.grad is not None})
 
         engine.optimizer.register_step_pre_hook(keep)
         data = TextBatches(recipe.model.vocab, recipe.model.seq_len)
@@ -178,8 +184,10 @@ def _layouts(rank, world, path, directory):
             torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64),
                                        **tol, msg=lambda m, label=label, name=name: f"{name} {label}: {m}")
         for label, mine, ref in (("gradient", first, ref_grads),
-                                 ("parameter", {n: p.detach() for n, p in module.named_parameters()}, ref_params)):
-            assert mine.keys() == ref.keys(), (name, label, sorted(set(mine) ^ set(ref)))
+                                 ("parameter", {n: p.detach() for n, p in engine.named_local_params().items()},
+                                  ref_params)):
+            held = ref.keys() if engine.layout.pipeline == 1 else mine.keys()
+            assert mine.keys() == held and set(held) <= set(ref), (name, label, sorted(set(mine) ^ set(ref)))
             for n, t in mine.items():
                 t = t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2's DTensors: gathered, every rank
                 piece = _piece(n, ref[n], module, engine)
@@ -188,7 +196,7 @@ def _layouts(rank, world, path, directory):
                                                msg=lambda m, n=n, label=label, name=name: f"{name} {label} {n}: {m}")
                     compared += 1
                     worst = max(worst, float((t - piece).abs().max() / piece.abs().max().clamp(min=1e-12)))
-        experts = [m for m in module.modules() if type(m).__name__ == "Experts"]
+        experts = [m for m in engine.container.modules() if type(m).__name__ == "Experts"]
         pairs = zip(losses + norms, ref_losses + ref_norms, strict=True)
         worst = max([worst] + [abs(a - b) / abs(b) for a, b in pairs])
         out[name] = {"losses": losses, "norms": norms, "compared": compared, "worst": worst,

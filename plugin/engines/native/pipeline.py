@@ -18,6 +18,11 @@ over the data group.
   replaying the tensor-parallel dropout streams: :func:`plugin.engines.recompute.run_layers`, the loop a whole
   model runs at pipeline 1 too. ``"selective"`` is set in the model's attention (:mod:`plugin.engines.recompute`).
 * A context axis: "the data group" is data x context here too (:mod:`.data_parallel`), stage by stage.
+* MoE layers (:mod:`plugin.expert_parallel`): the experts placed over the expert group as at pipeline 1, reduced
+  over the expert-data group after the schedule. Their load-balancing and z terms cannot join a loss that only the
+  last stage computes: each layer attaches its term to its output (:class:`plugin.expert_parallel.aux.StageLosses`),
+  so that the backward gives the term its gradient, and the reported loss adds the terms the backward saw, summed
+  over the pipeline group.
 * The loss: the last stage's micro-batch mean, averaged over its data group, broadcast over the pipeline
   group, the same float on every rank (DeepSpeed's ``train_batch`` semantics).
 
@@ -36,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...context_parallel.apply import apply_context_parallel
+from ...expert_parallel import apply_expert_parallel, moe_layers
 from ...pipeline_parallel.stages import stages_of_rank
 from ...tensor_parallel.random import tensor_parallel_rngs
 from ..context import BuildContext
@@ -77,8 +83,10 @@ def virtual_stages(recipe) -> int:
 class PipelineEngine(NativeEngine):
     checks_rows_after_backward = True  # the schedule runs forward and backward; the engine steps after it
 
-    def __init__(self, *args, schedule, stages, loss_fn: Callable, tied: TiedCopies | None = None, **kwargs):
+    def __init__(self, *args, schedule, stages, loss_fn: Callable, tied: TiedCopies | None = None, moe=None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
+        self.moe = moe  # this rank's MoE layers' terms (plugin.expert_parallel.aux.StageLosses), or None
         self.tied = tied or TiedCopies([])
         self.norm_skip = self.tied.replicas
         self.schedule, self.stages, self.loss_fn = schedule, stages, loss_fn
@@ -119,12 +127,17 @@ class PipelineEngine(NativeEngine):
         last = self.groups.pipeline_ranks[-1]
         loss = loss.reshape(1).to(self.device)
         dist.broadcast(loss, src=last, group=self.groups.pipeline_group)
+        if self.moe is not None and train:  # the MoE terms every stage carried, per micro-batch, summed over stages
+            terms = self.moe.mean_value(self.layout.grad_accum).reshape(1).to(self.device)
+            dist.all_reduce(terms, group=self.groups.pipeline_group)
+            loss = loss + terms
         return float(loss.item())
 
     def _train_step(self, batch) -> float:
         loss = self._run(batch, train=True)
         self.rows_checked()  # the data contract's verdict: after the schedule's forward and backward, before the update
         self.tied.sum_grads()
+        self.reduce_expert_grads()
         self.optimizer_step()
         return loss
 
@@ -145,6 +158,8 @@ def build_pipeline(ctx: BuildContext, groups, bounds: list[int], ties=()) -> Pip
     if layout.tensor > 1:
         ctx.apply_tp(ctx.model, groups.tensor_group, pp_rank=groups.pp_rank)
     apply_context_parallel(ctx.model, groups, recipe.context_parallel.method)
+    if moe_layers(ctx.model):  # each rank's experts, cut on meta too (materialising fills them from the whole values)
+        apply_expert_parallel(ctx.model, groups, getattr(ctx.apply_tp, "cuts", None))
     layers = ctx.layers_of(ctx.model)  # the same objects, now sharded
     mine = stages_of_rank(groups.pp_rank, layout.pipeline, virtual)
     modules = {s: StageModule({i: layers[i] for i in range(bounds[s], bounds[s + 1])},
@@ -173,6 +188,14 @@ def build_pipeline(ctx: BuildContext, groups, bounds: list[int], ties=()) -> Pip
                             optimizer=optimizer, scaler=build_scaler(recipe, device),
                             tensor_sharded=ids_of(container, sharded_names), schedule=None, stages=stages,
                             loss_fn=ctx.loss_for(groups.tensor_group), tied=tied)
+    held = [m for m in moe_layers(container)]
+    if held or moe_layers(ctx.model):  # every rank joins the sum of the terms over the pipeline group
+        from ...expert_parallel.aux import StageLosses
+
+        coef = recipe.model.moe.aux_loss_coef if recipe.model is not None and recipe.model.moe is not None else 0.0
+        for m in held:
+            m.aux_loss_coef = coef
+        engine.moe = StageLosses(held, lambda: float(engine.scaler.get_scale()) if engine.scaler is not None else 1.0)
     cls = getattr(pipelining, _SCHEDULES[pp_cfg.schedule])
     target = stages if pp_cfg.schedule == "interleaved_1f1b" else stages[0]
     engine.schedule = cls(target, n_microbatches=layout.grad_accum, loss_fn=engine.scaled_loss)

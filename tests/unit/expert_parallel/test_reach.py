@@ -9,8 +9,9 @@ MODEL = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 128, "seq_len": 32, "mo
 
 
 def _paths(parallelism, backend="native", layers=1, **blocks):
-    recipe = Recipe.from_dict({"name": "t", "batch": {"global": 16, "micro": 1}, "model": MODEL,
-                               "parallelism": parallelism, **blocks})
+    blocks.setdefault("model", MODEL)
+    recipe = Recipe.from_dict({"name": "t", "batch": {"global": 16, "micro": 1}, "parallelism": parallelism,
+                               **blocks})
     problems = check_expert_reach(recipe, recipe.layout(), backend, layers)
     assert all(p.hint for p in problems)
     return [p.path for p in problems]
@@ -49,7 +50,10 @@ def test_what_is_not_reached_is_refused_by_name():
     assert _paths({"data": 4, "expert": 2}, layers=0) == ["$.parallelism.expert"]  # no plugin MoE layer
     assert _paths({"data": 4, "expert": 2}, backend="deepspeed") == ["$.parallelism.expert"]
     assert _paths({"data": 4}, backend="accelerate") == ["$.model.moe"]  # the aux statistics need the groups
-    assert _paths({"data": 2, "pipeline": 2}) == ["$.parallelism.pipeline"]
+    assert _paths({"data": 2, "pipeline": 2}) == []  # each stage attaches its terms to its output (native)
+    assert _paths({"data": 1, "pipeline": 2}, backend="deepspeed") == ["$.parallelism.pipeline"]
+    assert _paths({"data": 2, "pipeline": 2}, model={**MODEL, "moe": {"experts": 4, "router": "sigmoid"}}) == \
+        ["$.model.moe.router"]
     assert _paths({"data": 2, "tensor": 2, "expert": 2}, tensor_parallel={"sequence_parallel": True}) == \
         ["$.tensor_parallel.sequence_parallel"]
     assert _paths({"data": 2, "tensor": 2, "expert": 2, "expert_tensor": 1}) == ["$.parallelism.expert_tensor"]

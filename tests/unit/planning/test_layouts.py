@@ -76,11 +76,12 @@ def test_moe_layouts_are_searched_exactly_where_the_recipe_checks_and_the_expert
     from plugin.expert_parallel.checks import check_expert_reach
 
     tried = refused = 0
-    for experts, fe in itertools.product((4, 6), (48, 90)):
-        moe = {"experts": experts, "top_k": 2, "ffn_hidden": fe}
+    for experts, fe, router in itertools.product((4, 6), (48, 90), ("softmax", "sigmoid")):
+        moe = {"experts": experts, "top_k": 2, "ffn_hidden": fe, "router": router}
         model = {"layers": 2, "hidden": 96, "heads": 12, "vocab": 128, "seq_len": 64, "moe": moe}
         spec = ModelSpec(layers=2, hidden=96, heads=12, vocab=128, seq_len=64, tied_embeddings=False,
-                         moe_experts=experts, moe_ffn_hidden=fe)
+                         moe_experts=experts, moe_ffn_hidden=fe,
+                         moe_options=(("router", router),) if router == "sigmoid" else ())
         for tp, pp, dp, ep, sp in itertools.product((1, 2, 4), (1, 2), (1, 2, 4), (1, 2, 3, 4), (False, True)):
             searched = (tp in tensor_sizes(spec, tp) and pp in pipeline_sizes(spec, pp) and ep in expert_sizes(spec, dp)
                         and sp in sequence_parallel_choices(spec, tp))
@@ -90,7 +91,7 @@ def test_moe_layouts_are_searched_exactly_where_the_recipe_checks_and_the_expert
             if not errors:
                 recipe = Recipe.from_dict({"name": "r", "parallelism": par, "model": model, **blocks})
                 errors = [p.format() for p in check_expert_reach(recipe, recipe.layout(), "native", 1)]
-            assert searched == (not errors), (experts, fe, tp, pp, dp, ep, sp, errors)
+            assert searched == (not errors), (experts, fe, router, tp, pp, dp, ep, sp, errors)
             tried += searched
             refused += not searched
     assert tried > 20 and refused > 100
