@@ -37,16 +37,20 @@ def mark_expert_params(experts: nn.Module, ep_size: int) -> None:
             p.tensor_model_parallel = True  # a different slice on every expert-tensor rank: counted on each
 
 
-def apply_expert_parallel(model: nn.Module, groups, cuts: dict | None = None) -> list[str]:
+def apply_expert_parallel(model: nn.Module, groups, cuts: dict | None = None,
+                          sequence_parallel: bool = False) -> list[str]:
     """Cut every MoE layer of ``model`` to this rank's experts (``groups``: a
     :class:`plugin.distributed.groups.ParallelGroups`), the reference GPT's and, with an expert axis, a transformers
-    family's (:mod:`.hf`); returns the expert modules' names."""
+    family's (:mod:`.hf`); returns the expert modules' names. ``sequence_parallel``: the model's activations between
+    blocks are slices of the sequence over the tensor group (each MoE layer gathers them and keeps its slice)."""
     split = len(groups.expert_tensor_ranks) > 1
     tp_rank = groups.expert_tensor_ranks.index(groups.rank) if split else 0
     tp_size = len(groups.expert_tensor_ranks) if split else 1
     context = ExpertContext(expert_group=groups.expert_group if groups.ep_size > 1 else None,
                             expert_tensor_group=groups.expert_tensor_group if split else None,
-                            data_context_group=groups.data_context_group if groups.data_context_size > 1 else None)
+                            data_context_group=groups.data_context_group if groups.data_context_size > 1 else None,
+                            sequence_group=groups.tensor_group if sequence_parallel and len(groups.tensor_ranks) > 1
+                            else None)
     names = []
     for name, moe in [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]:
         moe.ep = context

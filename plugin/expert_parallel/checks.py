@@ -69,10 +69,6 @@ def check_expert_reach(recipe, layout, backend: str, moe_layers: int, family: st
         out.append(Problem("$.model.moe.router", f'the "sigmoid" router with pipeline {layout.pipeline}: the schedule '
                            "runs its first micro-batch once more to learn the shapes, which would count its loads "
                            "twice in the bias update (not reached yet)", 'use "router": "softmax", or "pipeline": 1'))
-    if recipe.tensor_parallel.sequence_parallel and layout.tensor > 1:
-        out.append(Problem("$.tensor_parallel.sequence_parallel", "sequence parallelism with MoE layers: each tensor "
-                           "rank would route a different slice of the tokens (not reached yet)",
-                           'set "sequence_parallel": false'))
     if e > 1 and layout.tensor > 1 and layout.expert_tensor_resolved == 1:
         out.append(Problem("$.parallelism.expert_tensor", "whole experts (expert_tensor 1) with tensor "
                            f"{layout.tensor}: the tensor ranks' copies of each token would reach the experts twice "

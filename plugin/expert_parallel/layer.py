@@ -17,7 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tensor_parallel.comm import copy_to_tensor_region, reduce_from_tensor_region
+from ..tensor_parallel.comm import (
+    copy_to_tensor_region,
+    gather_from_sequence_region,
+    reduce_from_tensor_region,
+    scatter_to_sequence_region,
+)
 from .comm import group_size
 from .dispatch import dispatch_combine
 from .router import load_balancing_loss, router_z_loss, sigmoid_top_k, softmax_top_k, updated_bias
@@ -26,12 +31,14 @@ from .router import load_balancing_loss, router_z_loss, sigmoid_top_k, softmax_t
 @dataclass(frozen=True)
 class ExpertContext:
     """What a MoE layer needs of the layout: the expert group (tokens travel over it), the expert-tensor group
-    (each expert's columns and rows split over it; ``None``: whole experts) and the data x context group (the
-    load-balancing statistics are summed over it)."""
+    (each expert's columns and rows split over it; ``None``: whole experts), the data x context group (the
+    load-balancing statistics are summed over it) and, under sequence parallelism, the tensor group over which the
+    layer's input is a slice of the sequence."""
 
     expert_group: Any = None
     expert_tensor_group: Any = None
     data_context_group: Any = None
+    sequence_group: Any = None  # sequence parallelism: the tensor group whose ranks hold slices of the sequence
 
 
 class Experts(nn.Module):
@@ -100,6 +107,9 @@ class MoE(nn.Module):
         self.aux_loss_coef = 0.0  # set with attach: the load-balancing term's weight
 
     def forward(self, x: torch.Tensor, out_bias: torch.Tensor | None = None) -> torch.Tensor:
+        sequence = self.ep.sequence_group
+        if sequence is not None:  # every token of the tensor group, routed alike on each of its ranks (below)
+            x = gather_from_sequence_region(x, sequence, tensor_parallel_output_grad=False)
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         logits = self.router(tokens)
@@ -122,7 +132,12 @@ class MoE(nn.Module):
                                    None if self.z_loss is None else self.z_loss_coef * self.z_loss) if t is not None)
             y = self.attach(y, term)
             self.aux_loss = self.z_loss = None  # carried by the output, not by the loss function
-        return y.reshape(shape)
+        y = y.reshape(shape)
+        # Under sequence parallelism each rank keeps its slice. Each rank's gradient of the whole output is whole (the
+        # slices' gradients all-gathered), and the layer computes alike on every rank of the tensor group (the router
+        # whole, the experts' columns and rows summed by its f and g), so the input's gradient is whole too: the
+        # gather's backward keeps the rank's slice of it, without a sum.
+        return scatter_to_sequence_region(y, sequence) if sequence is not None else y
 
     @torch.no_grad()
     def update_bias(self) -> None:

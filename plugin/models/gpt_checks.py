@@ -30,7 +30,8 @@ def check_gpt_plan(config, styles: Mapping[str, object], tp: int, sequence_paral
     problems: list[str] = []
     pairs = (("attn.qkv", "attn.proj"), ("mlp.fc", "mlp.proj"))
     for i in range(config.layers):
-        for first, second in pairs:
+        # a MoE block has no mlp: its experts are split by plugin.expert_parallel, its input gathered under SP
+        for first, second in pairs[:1] if config.is_moe_block(i) else pairs:
             a = _kind(styles.get(f"blocks.{i}.{first}"))
             b = _kind(styles.get(f"blocks.{i}.{second}"))
             if (a, b) not in (("column", "row"), ("whole", "whole")):

@@ -16,8 +16,8 @@ Each rule is one of :mod:`plugin.recipe.checks`, asked of numbers instead of a r
   stage count up to that);
 - a mixture of experts: the expert degree E divides data x context and the experts (``check_expert``), each
   expert's inner size divides over T (the experts split over the tensor group, ``check_expert``), and what the
-  expert axis reaches (:func:`plugin.expert_parallel.checks.check_expert_reach`): no sequence parallelism with MoE
-  layers, no pipeline stages with the sigmoid router, any ZeRO stage the recipe checks allow.
+  expert axis reaches (:func:`plugin.expert_parallel.checks.check_expert_reach`): no pipeline stages with the
+  sigmoid router, any ZeRO stage the recipe checks allow.
 
 ``tests/unit/planning/test_layouts.py`` holds every predicate to the recipe check it mirrors.
 """
@@ -71,9 +71,8 @@ def context_methods(spec: ModelSpec, tp: int, cp: int) -> tuple[str, ...]:
 
 
 def sequence_parallel_choices(spec: ModelSpec, tp: int, cp: int = 1) -> list[bool]:
-    """[False], and True too where the sequence (each of the 2C chunks with a context axis) divides over T (not with
-    MoE layers: each tensor rank would route a different slice of the tokens)."""
-    if tp == 1 or spec.seq_len % tp or spec.moe_experts:
+    """[False], and True too where the sequence (each of the 2C chunks with a context axis) divides over T."""
+    if tp == 1 or spec.seq_len % tp:
         return [False]
     if cp > 1 and spec.seq_len % (2 * cp * tp):
         return [False]

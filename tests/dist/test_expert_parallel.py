@@ -15,8 +15,8 @@ over the expert group, is compared):
   losses, the gradient norms, every gradient of the first step (after clipping) and every parameter after the last
   step that the rank holds whole or as an expert slice (tensor-split dense weights are seen through the norm), rel
   1e-5 (1e-4 through tensor parallelism);
-* what the axis does not reach (sequence parallelism, the sigmoid router in pipeline stages, DeepSpeed) refused on every
-  rank before any group;
+* what the axis does not reach (whole experts at tensor 2, the sigmoid router in pipeline stages, DeepSpeed) refused
+  on every rank before any group;
 * checkpoints across expert degrees: expert 2 trains 2 steps and saves, expert 1 resumes for step 3 and saves,
   expert 4 resumes for step 4, each step one process's loss and gradient norm.
 
@@ -44,6 +44,8 @@ LAYOUTS = {  # name -> (parallelism, moe overrides, forced expert, rtol)
     "expert2_context2": ({"data": 2, "context": 2, "expert": 2}, {}, None, 1e-5),
     "expert4_all_to_expert0": ({"data": 4, "expert": 4}, {"top_k": 1}, 0, 1e-5),
     "expert2_tensor2_meta": ({"data": 2, "tensor": 2, "expert": 2}, {}, None, 1e-4),  # built on meta, cut there
+    # sequence parallelism: each MoE layer gathers the tensor group's slices, routes them all, keeps its slice
+    "expert2_tensor2_sp": ({"data": 2, "tensor": 2, "expert": 2, "sequence_parallel": True}, {}, None, 1e-4),
     # DeepSeek-V3's router: sigmoid scores, the choice steered by a bias that moves after every step (its final value
     # is compared with the parameters: the loads summed over data x context, as one process counts them)
     "expert2_sigmoid_bias": ({"data": 4, "expert": 2}, {"router": "sigmoid", "bias_update_rate": 0.05}, None, 1e-5),
@@ -65,8 +67,7 @@ LAYOUTS = {  # name -> (parallelism, moe overrides, forced expert, rtol)
     "expert2_tensor2_zero3_meta": ({"data": 2, "tensor": 2, "expert": 2, "zero_stage": 3}, {}, None, 1e-4),
 }
 REFUSED = {  # before any group, on every rank: what the axis does not reach yet
-    "sequence_parallel": ({"data": 2, "tensor": 2, "expert": 2}, {"tensor_parallel": {"sequence_parallel": True}},
-                          "$.tensor_parallel.sequence_parallel"),
+    "expert_tensor_1": ({"data": 2, "tensor": 2, "expert": 2, "expert_tensor": 1}, {}, "$.parallelism.expert_tensor"),
     "pipeline_sigmoid": ({"data": 2, "pipeline": 2, "expert": 2},
                          {"model": {**MODEL, "moe": {**MODEL["moe"], "router": "sigmoid"}}}, "$.model.moe.router"),
     "deepspeed": ({"data": 4, "expert": 2}, {"launcher": "deepspeed"}, "$.parallelism.expert"),
@@ -80,6 +81,8 @@ def _recipe(parallelism: dict, moe: dict, blocks: dict | None = None):
     zero = parallelism.pop("zero_stage", None)
     if zero is not None:
         blocks = {**(blocks or {}), "zero": {"stage": zero}}
+    if parallelism.pop("sequence_parallel", False):
+        blocks = {**(blocks or {}), "tensor_parallel": {"sequence_parallel": True}}
     return Recipe.from_dict({
         "name": "moe", "batch": {"global": 16, "micro": 2}, "launcher": "torchrun",
         "parallelism": {"tensor": 1, "pipeline": 1, **parallelism}, "optimizer": SGD, "gradient_clipping": CLIP,

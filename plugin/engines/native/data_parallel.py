@@ -157,7 +157,8 @@ def build_data_parallel(ctx: BuildContext, groups) -> DataParallelEngine:
     apply_context_parallel(module, groups, recipe.context_parallel.method)
     # each rank's experts, cut on meta too (materialising fills them from the whole values)
     if moe_layers(module) or (groups.ep_size > 1 and hf_experts(module)):
-        apply_expert_parallel(module, groups, getattr(ctx.apply_tp, "cuts", None))
+        apply_expert_parallel(module, groups, getattr(ctx.apply_tp, "cuts", None),
+                              recipe.tensor_parallel.sequence_parallel)
     stage = recipe.zero.stage
     replicas = groups.data_context_size  # ranks holding the same parameters: data x context
     # ZeRO-2 on FSDP2 (parameters gathered once per step) with CPU offload, and with an expert axis: the row shards

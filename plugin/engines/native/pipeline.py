@@ -159,7 +159,8 @@ def build_pipeline(ctx: BuildContext, groups, bounds: list[int], ties=()) -> Pip
         ctx.apply_tp(ctx.model, groups.tensor_group, pp_rank=groups.pp_rank)
     apply_context_parallel(ctx.model, groups, recipe.context_parallel.method)
     if moe_layers(ctx.model):  # each rank's experts, cut on meta too (materialising fills them from the whole values)
-        apply_expert_parallel(ctx.model, groups, getattr(ctx.apply_tp, "cuts", None))
+        apply_expert_parallel(ctx.model, groups, getattr(ctx.apply_tp, "cuts", None),
+                              recipe.tensor_parallel.sequence_parallel)
     layers = ctx.layers_of(ctx.model)  # the same objects, now sharded
     mine = stages_of_rank(groups.pp_rank, layout.pipeline, virtual)
     modules = {s: StageModule({i: layers[i] for i in range(bounds[s], bounds[s + 1])},

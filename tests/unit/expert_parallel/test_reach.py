@@ -54,6 +54,5 @@ def test_what_is_not_reached_is_refused_by_name():
     assert _paths({"data": 1, "pipeline": 2}, backend="deepspeed") == ["$.parallelism.pipeline"]
     assert _paths({"data": 2, "pipeline": 2}, model={**MODEL, "moe": {"experts": 4, "router": "sigmoid"}}) == \
         ["$.model.moe.router"]
-    assert _paths({"data": 2, "tensor": 2, "expert": 2}, tensor_parallel={"sequence_parallel": True}) == \
-        ["$.tensor_parallel.sequence_parallel"]
+    assert _paths({"data": 2, "tensor": 2, "expert": 2}, tensor_parallel={"sequence_parallel": True}) == []
     assert _paths({"data": 2, "tensor": 2, "expert": 2, "expert_tensor": 1}) == ["$.parallelism.expert_tensor"]
