@@ -64,7 +64,7 @@ def check_collectives(reports: list[dict]) -> dict:
                                f"{got[at] if at < len(got) else 'none'} vs {want[at] if at < len(want) else 'none'}"))
     return _result("collectives", bad, "", f"{compared} groups with two or more simulated members issue the same "
                    "collectives in the same order", None if compared else
-                   "no group had two simulated members: add --verify")
+                   "no group had two simulated members (a world of one rank; else add --verify)")
 
 
 def check_pipeline(reports: list[dict]) -> dict:

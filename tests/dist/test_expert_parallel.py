@@ -28,6 +28,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from .needs import need
 from .spawn import run
 
 pytestmark = [pytest.mark.dist, pytest.mark.native]
@@ -217,7 +218,6 @@ def _layouts(rank, world, path, directory):
         out[name] = [p.path for p in refused.value.problems]
         assert path in out[name], (name, out[name])
     out["checkpoints"] = _checkpoints(references["chain"], directory)
-    out["hf"] = _hf_families(references)
     return out
 
 
@@ -264,7 +264,7 @@ def _hf_reference(family):
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _hf_families(references):
+def _hf_families(rank, world, path):
     import transformers as tf
 
     import plugin
@@ -273,9 +273,10 @@ def _hf_families(references):
     from tests.hf_families import tiny_model
 
     tf.logging.set_verbosity_error()
+    references = torch.load(path)
     out = {}
     for family, (par, stage) in HF_LAYOUTS.items():
-        ref_losses, ref_norms, ref_params = references[f"hf_{family}"]
+        ref_losses, ref_norms, ref_params = references[family]
         model = tiny_model(family, seed=0)
         recipe = Recipe.from_dict({"name": f"ep_{family}", "launcher": "torchrun", "zero": {"stage": stage},
                                    "parallelism": {"tensor": 1, "pipeline": 1, **par},
@@ -338,7 +339,6 @@ def test_expert_layouts_train_one_process_losses_gradients_and_weights(tmp_path)
     for name, (_, norms, _, _) in references.items():
         assert min(norms) > CLIP, f"{name}: the clipping must act: gradient norms {norms} against {CLIP}"
     references["chain"] = _reference(_recipe({"data": 4, "expert": 2}, {}), None, steps=5)
-    references.update({f"hf_{family}": _hf_reference(family) for family in HF_LAYOUTS})
     torch.save(references, tmp_path / "references.pt")  # a file: tensors passed as arguments would travel as fds
     results = run(_layouts, 4, str(tmp_path / "references.pt"), str(tmp_path), timeout_s=120)
     for name in LAYOUTS:
@@ -354,8 +354,16 @@ def test_expert_layouts_train_one_process_losses_gradients_and_weights(tmp_path)
     print(f"expert 2 (ZeRO-3) -> 1 (ZeRO-0) -> 2 (ZeRO-1) -> 4 (ZeRO-2) through checkpoints: (loss, norm) per step "
           f"{results[0]['checkpoints']} (reference "
           f"{list(zip(references['chain'][0], references['chain'][1], strict=True))})")
+
+
+@pytest.mark.slow  # .ci/run's slow step: the README suite's budget
+def test_transformers_moe_families_at_an_expert_axis_train_one_process_losses_and_weights(tmp_path):
+    need("transformers")
+    references = {family: _hf_reference(family) for family in HF_LAYOUTS}
+    torch.save(references, tmp_path / "hf_references.pt")
+    results = run(_hf_families, 4, str(tmp_path / "hf_references.pt"), timeout_s=120)
     for family, (par, stage) in HF_LAYOUTS.items():
-        got = results[0]["hf"][family]
-        print(f"{family} at {par}, ZeRO-{stage}: losses {got['losses']} (reference {references['hf_' + family][0]}), "
-              f"norms {got['norms']}; {sum(r['hf'][family]['compared'] for r in results)} tensors compared")
-        assert all(r["hf"][family]["expert_tensors"] >= 2 for r in results), family  # each rank held experts
+        got = results[0][family]
+        print(f"{family} at {par}, ZeRO-{stage}: losses {got['losses']} (reference {references[family][0]}), "
+              f"norms {got['norms']}; {sum(r[family]['compared'] for r in results)} tensors compared")
+        assert all(r[family]["expert_tensors"] >= 2 for r in results), family  # each rank held experts
