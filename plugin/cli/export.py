@@ -36,14 +36,18 @@ def run(args) -> int:
     what = "a DeepSpeed config's batch triple" if args.to == "deepspeed" else "an Accelerate config's num_processes"
     if needs_world_size(recipe, args.world_size, f"{what} depends on it"):
         return EXIT_INVALID
-    if recipe.parallelism.expert > 1:  # neither config has a key that carries it: refused rather than lost
+    if recipe.parallelism.expert > 1 and args.to != "deepspeed":  # no key carries it: refused rather than lost
         from ..errors import Problem
 
-        print_problems([Problem("$.parallelism.expert", f"expert {recipe.parallelism.expert}: neither DeepSpeed's "
-                                "config (its MoE layer takes ep_size in code) nor Accelerate's carries an expert axis, "
-                                "so the export would train without it", 'train it with the plugin (launch.sh, '
-                                'train.py), or export with "expert": 1', file=recipe.source)])
+        print_problems([Problem("$.parallelism.expert", f"expert {recipe.parallelism.expert}: Accelerate's config "
+                                "has no key that carries an expert axis, so the export would train without it",
+                                "train it with the plugin (launch.sh, train.py), export it --to deepspeed (AutoEP's "
+                                'expert_parallel section), or export with "expert": 1', file=recipe.source)])
         return EXIT_INVALID
+    if recipe.parallelism.expert > 1:
+        print(f"{recipe.source or recipe.name}: note: the expert axis is written as DeepSpeed 0.19's AutoEP section "
+              "(expert_parallel), which places the experts of the transformers families its presets cover; the "
+              "plugin trains an expert axis on its native back end", file=sys.stderr)
     if args.to == "deepspeed":
         from ..interop.deepspeed_scheduler import scheduler_differences
 

@@ -78,6 +78,11 @@ def recipe_ds_config(recipe, layout) -> dict:
         # DeepSpeed's sequence-parallel degree: its engine sums gradients over it and counts data ranks only in the
         # batch triple; it reads the key itself only without an mpu (the plugin's engine hands it one)
         cfg["sequence_parallel_size"] = layout.context
+    if layout.expert > 1:
+        # DeepSpeed 0.19's AutoEP section: the experts over autoep_size ranks carved out of the data ranks, as the
+        # recipe's expert axis; AutoEP finds the MoE layers of the transformers families its presets cover
+        cfg["expert_parallel"] = {"enabled": True, "autoep_size": layout.expert,
+                                  "expert_tensor_parallel_size": layout.expert_tensor_resolved}
     if recipe.optimizer.name == "sgd" and z.stage >= 1:
         cfg["zero_allow_untested_optimizer"] = True  # DeepSpeed asserts on torch.optim.SGD under ZeRO without it
     if layout.pipeline > 1:
@@ -133,7 +138,9 @@ def from_ds_config(cfg: Mapping, world_size: int | None = None, name: str = "imp
     The data degree is ``world_size / (pipeline x context)`` when ``world_size`` is given, else derived from a
     complete batch triple, else ``"auto"``. Values of ``"auto"`` (Hugging Face style) are treated as not given.
     ``sequence_parallel_size`` C > 1 (DeepSpeed's Ulysses degree) becomes ``"context": C`` with the
-    ``"all_to_all"`` method, Ulysses's.
+    ``"all_to_all"`` method, Ulysses's. AutoEP's ``expert_parallel`` section, enabled with ``autoep_size`` E > 1,
+    becomes ``"expert": E`` (its other keys kept raw) and ``"launcher": "auto"``: the plugin trains an expert axis on
+    its native back end.
     """
     rest = copy.deepcopy(thaw(cfg))
     recipe: dict[str, Any] = {"$schema": "../schemas/recipe.schema.json", "name": name,
@@ -157,6 +164,9 @@ def from_ds_config(cfg: Mapping, world_size: int | None = None, name: str = "imp
                                                                                  else {})}
     if context > 1:
         recipe["context_parallel"] = {"method": "all_to_all"}
+    expert = _import_expert(rest)
+    if expert > 1:
+        recipe["parallelism"]["expert"] = expert
     zero: dict[str, Any] = {}
     stage = _pop(rest, "zero_optimization", "stage")
     if stage is not None:
@@ -214,10 +224,27 @@ def from_ds_config(cfg: Mapping, world_size: int | None = None, name: str = "imp
     clip = _pop(rest, "gradient_clipping")
     # A config without the key clips at DeepSpeed's own default; the recipe says so explicitly.
     recipe["gradient_clipping"] = clip if _given(clip) else DEEPSPEED_DEFAULT_GRADIENT_CLIPPING
-    recipe["launcher"] = "deepspeed"
+    recipe["launcher"] = "auto" if expert > 1 else "deepspeed"
     if rest:
         recipe["deepspeed"] = rest
     return recipe
+
+
+def _import_expert(rest: dict) -> int:
+    """AutoEP's degree when its section is enabled with an integer ``autoep_size`` (1 otherwise); the section's other
+    keys stay raw, and an expert tensor degree other than 1 (the recipe's at tensor 1) too."""
+    section = rest.get("expert_parallel")
+    if not isinstance(section, dict):
+        return 1
+    size = section.get("autoep_size", 1)
+    if section.get("enabled") is not True or not isinstance(size, int) or isinstance(size, bool) or size < 2:
+        return 1
+    section.pop("enabled"), section.pop("autoep_size")
+    if section.get("expert_tensor_parallel_size", 1) == 1:
+        section.pop("expert_tensor_parallel_size", None)
+    if not section:
+        rest.pop("expert_parallel")
+    return size
 
 
 def _import_optimizer(rest: dict, recipe: dict) -> None:

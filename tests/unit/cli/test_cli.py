@@ -257,14 +257,27 @@ def test_summary_says_one_process():
     assert out.returncode == 0 and "= 1 process;" in out.stdout, out.stdout
 
 
-def test_export_refuses_an_expert_axis_it_cannot_carry(tmp_path):
+def test_an_expert_axis_exports_as_autoep_imports_back_and_accelerate_refuses_it(tmp_path):
+    """DeepSpeed 0.19's config carries an expert axis as AutoEP's expert_parallel section (enabled, autoep_size), which
+    imports back as "expert" (launcher auto: the plugin trains it natively), its other keys kept raw; Accelerate's
+    config has no key for it: refused rather than lost."""
     recipe = tmp_path / "moe_ep2.json"
     recipe.write_text(json.dumps({"name": "moe_ep2", "batch": {"global": 8, "micro": 1},
                                   "parallelism": {"data": 4, "expert": 2},
                                   "model": {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq_len": 32,
                                             "moe": {"experts": 4}}}))
-    for to in ("deepspeed", "accelerate"):
-        out = cli("export", recipe, "--to", to)
-        assert out.returncode == 2 and "$.parallelism.expert: expert 2" in out.stderr and not out.stdout
+    out = cli("export", recipe, "--to", "accelerate")
+    assert out.returncode == 2 and "$.parallelism.expert: expert 2" in out.stderr and not out.stdout
+    out = cli("export", recipe, "--to", "deepspeed")
+    assert out.returncode == 0 and "AutoEP" in out.stderr, out.stderr
+    ds = json.loads(out.stdout)
+    assert ds["expert_parallel"] == {"enabled": True, "autoep_size": 2, "expert_tensor_parallel_size": 1}, ds
+    ds["expert_parallel"]["preset_model"] = "mixtral"
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    out = cli("import", tmp_path / "ds.json", "--world-size", "4")
+    assert out.returncode == 0, out.stderr
+    back = json.loads(out.stdout)
+    assert back["parallelism"]["expert"] == 2 and back["launcher"] == "auto", back
+    assert back["deepspeed"]["expert_parallel"] == {"preset_model": "mixtral"}, back
     shown = json.loads(cli("show", recipe, "--json").stdout)
     assert shown["resolved"]["expert"] == 2 and shown["ranks"][1]["expert_peers"] == [0, 1]
