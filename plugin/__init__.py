@@ -32,12 +32,20 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'plugin' has no attribute {name!r}")
+def lazy_attributes(package: str, table: dict[str, str], namespace: dict):
+    """A package's module ``__getattr__`` (PEP 562): ``name`` from its submodule ``table[name]`` (relative to
+    ``package``), imported on first use and kept in ``namespace`` (the package's globals)."""
+    def get(name: str):
+        if name in table:
+            value = getattr(importlib.import_module(f".{table[name]}", package), name)
+            namespace[name] = value
+            return value
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return get
+
+
+__getattr__ = lazy_attributes(__name__, _LAZY, globals())
 
 
 def __dir__():

@@ -169,7 +169,7 @@ def _expert_parallel(model, recipe: Recipe, layout, backend: str, env, loss_for)
                                   bool(getattr(config, "output_router_logits", False)))
     if problems:
         _fail([p.with_file(recipe.source) for p in problems], env)
-    return with_aux_losses(loss_for, model, float(getattr(config, "moe_aux_loss_coef", 0.0)))
+    return with_aux_losses(loss_for, model)
 
 
 def _fail(problems: list[Problem], env) -> None:

@@ -9,7 +9,7 @@ group).
 """
 from __future__ import annotations
 
-import importlib
+from .. import lazy_attributes
 
 # name -> module that defines it, loaded on first use (PEP 562): ``checks`` is pure (no torch), and the back-end choice
 # (plugin.engines.choose, on paths that only read a recipe) imports it without loading the torch modules below.
@@ -18,11 +18,4 @@ _LAZY = {"MoE": "layer", "apply_expert_parallel": "apply", "is_expert_param": "a
          "update_router_biases": "aux", "with_aux_losses": "aux"}
 
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY, globals())

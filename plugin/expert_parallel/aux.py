@@ -1,7 +1,8 @@
 """The load-balancing losses of a model's MoE layers, added to the training loss.
 
-Each :class:`.layer.MoE` keeps the loss of its last training forward (``aux_loss``); :func:`with_aux_losses` wraps a
-loss function so that each call adds ``coef x`` the sum of those kept since the last call, then clears them. Every
+Each :class:`.layer.MoE` keeps the losses of its last training forward (``aux_loss``, ``z_loss``);
+:func:`with_aux_losses` wraps a loss function so that each call adds those kept since the last call, each times its
+layer's coefficient (:meth:`.layer.MoE.take_terms`), and clears them. Every
 back end calls the loss once per micro-batch right after its forward, so the term is per micro-batch, as the
 families compute it; its statistics run over the micro-batch's tokens on every data x context rank (:mod:`.router`).
 Pipeline stages before the last compute no loss: there each layer attaches its term to its output
@@ -22,36 +23,29 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 class AuxLoss:
-    """``loss_fn(output, labels) + coef * sum(layer.aux_loss) + sum(layer.z_loss_coef * layer.z_loss)``; other
-    attributes (``prepare``) pass through."""
+    """``loss_fn(output, labels)`` plus every layer's weighted terms (:meth:`.layer.MoE.take_terms`); other attributes
+    (``prepare``) pass through."""
 
-    def __init__(self, loss_fn: Callable, layers: list[MoE], coef: float):
-        self.loss_fn, self.layers, self.coef = loss_fn, layers, coef
+    def __init__(self, loss_fn: Callable, layers: list[MoE]):
+        self.loss_fn, self.layers = loss_fn, layers
 
     def __getattr__(self, name):
         return getattr(self.__dict__["loss_fn"], name)
 
     def __call__(self, output, labels):
         loss = self.loss_fn(output, labels)
-        kept = [m.aux_loss for m in self.layers if m.aux_loss is not None]
-        z = [m.z_loss_coef * m.z_loss for m in self.layers if m.z_loss is not None]
-        for m in self.layers:
-            m.aux_loss = m.z_loss = None
-        if kept and self.coef:
-            loss = loss + self.coef * sum(kept).to(loss.dtype)
-        if z:
-            loss = loss + sum(z).to(loss.dtype)
-        return loss
+        terms = [t for t in (m.take_terms() for m in self.layers) if t is not None]
+        return loss + sum(terms).to(loss.dtype) if terms else loss
 
 
-def with_aux_losses(loss_for: Callable, model: nn.Module, coef: float) -> Callable:
+def with_aux_losses(loss_for: Callable, model: nn.Module) -> Callable:
     """``loss_for(tp_group) -> loss_fn`` made to add the model's load-balancing losses (unchanged without MoE)."""
     layers = moe_layers(model)
     if not layers:
         return loss_for
 
     def wrapped(tp_group):
-        return AuxLoss(loss_for(tp_group), layers, coef)
+        return AuxLoss(loss_for(tp_group), layers)
 
     return wrapped
 

@@ -84,11 +84,11 @@ class MoE(nn.Module):
     parameter without gradient, steers the choice; each training forward adds its choices to ``load``, and
     :meth:`update_bias`, called after every optimizer step, sums them over data x context and moves the bias by
     ``bias_update_rate`` towards balance: the same on every rank and layout as on one process). ``z_loss_coef`` > 0:
-    each training forward also keeps ST-MoE's router z-loss in ``z_loss``, added to the loss times that coefficient
-    (:mod:`.aux`)."""
+    each training forward also keeps ST-MoE's router z-loss in ``z_loss``. Both are added to the training loss, times
+    ``aux_loss_coef`` and ``z_loss_coef`` (:meth:`take_terms`, :mod:`.aux`)."""
 
     def __init__(self, hidden: int, experts: int, top_k: int, ffn_hidden: int, router: str = "softmax",
-                 bias_update_rate: float = 0.001, z_loss_coef: float = 0.0):
+                 bias_update_rate: float = 0.001, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0):
         super().__init__()
         self.router = nn.Linear(hidden, experts, bias=False)
         self.kind, self.bias_update_rate = router, bias_update_rate
@@ -99,12 +99,12 @@ class MoE(nn.Module):
         self.top_k = top_k
         self.ep = ExpertContext()
         self.aux_loss: torch.Tensor | None = None
+        self.aux_loss_coef = aux_loss_coef  # the load-balancing loss's weight in the training loss
         self.z_loss_coef = z_loss_coef  # > 0: each training forward keeps its router z-loss in z_loss
         self.z_loss: torch.Tensor | None = None
         self.force_expert: int | None = None  # tests: every token's first choice is this expert (an unbalanced routing)
         # pipeline stages (.aux.StageLosses): (output, weighted term) -> output carrying the term's gradient
         self.attach = None
-        self.aux_loss_coef = 0.0  # set with attach: the load-balancing term's weight
 
     def forward(self, x: torch.Tensor, out_bias: torch.Tensor | None = None) -> torch.Tensor:
         sequence = self.ep.sequence_group
@@ -127,17 +127,23 @@ class MoE(nn.Module):
             if self.training and torch.is_grad_enabled():
                 self.aux_loss = load_balancing_loss(probs, chosen, self.ep.data_context_group)
         y = dispatch_combine(tokens, chosen, weights.to(tokens.dtype), self.experts, self.ep.expert_group)
-        if self.attach is not None and (self.aux_loss is not None or self.z_loss is not None):
-            term = sum(t for t in (None if self.aux_loss is None else self.aux_loss_coef * self.aux_loss,
-                                   None if self.z_loss is None else self.z_loss_coef * self.z_loss) if t is not None)
-            y = self.attach(y, term)
-            self.aux_loss = self.z_loss = None  # carried by the output, not by the loss function
+        if self.attach is not None:  # carried by the output, not by the loss function
+            term = self.take_terms()
+            y = y if term is None else self.attach(y, term)
         y = y.reshape(shape)
         # Under sequence parallelism each rank keeps its slice. Each rank's gradient of the whole output is whole (the
         # slices' gradients all-gathered), and the layer computes alike on every rank of the tensor group (the router
         # whole, the experts' columns and rows summed by its f and g), so the input's gradient is whole too: the
         # gather's backward keeps the rank's slice of it, without a sum.
         return scatter_to_sequence_region(y, sequence) if sequence is not None else y
+
+    def take_terms(self) -> torch.Tensor | None:
+        """The weighted load-balancing and z terms of the last training forward (None: none), cleared."""
+        # a term of weight 0 too: each softmax forward gives one term (the pipeline's StageLosses counts on it)
+        terms = [c * t for c, t in ((self.aux_loss_coef, self.aux_loss), (self.z_loss_coef, self.z_loss))
+                 if t is not None]
+        self.aux_loss = self.z_loss = None
+        return sum(terms) if terms else None
 
     @torch.no_grad()
     def update_bias(self) -> None:

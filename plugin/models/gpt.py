@@ -152,7 +152,7 @@ class Block(nn.Module):
         if config.is_moe_block(index):
             self.moe = MoE(config.hidden, config.moe_experts, config.moe_top_k, config.moe_ffn_hidden_resolved,
                            router=config.moe_router, bias_update_rate=config.moe_bias_update_rate,
-                           z_loss_coef=config.moe_z_loss_coef)
+                           aux_loss_coef=config.moe_aux_loss_coef, z_loss_coef=config.moe_z_loss_coef)
         else:
             self.mlp = MLP(config)
         self.dropout = config.dropout

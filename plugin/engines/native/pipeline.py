@@ -189,14 +189,11 @@ def build_pipeline(ctx: BuildContext, groups, bounds: list[int], ties=()) -> Pip
                             optimizer=optimizer, scaler=build_scaler(recipe, device),
                             tensor_sharded=ids_of(container, sharded_names), schedule=None, stages=stages,
                             loss_fn=ctx.loss_for(groups.tensor_group), tied=tied)
-    held = [m for m in moe_layers(container)]
-    if held or moe_layers(ctx.model):  # every rank joins the sum of the terms over the pipeline group
+    if moe_layers(ctx.model):  # every rank joins the sum of the terms over the pipeline group, held or not
         from ...expert_parallel.aux import StageLosses
 
-        coef = recipe.model.moe.aux_loss_coef if recipe.model is not None and recipe.model.moe is not None else 0.0
-        for m in held:
-            m.aux_loss_coef = coef
-        engine.moe = StageLosses(held, lambda: float(engine.scaler.get_scale()) if engine.scaler is not None else 1.0)
+        engine.moe = StageLosses(moe_layers(container),
+                                 lambda: float(engine.scaler.get_scale()) if engine.scaler is not None else 1.0)
     cls = getattr(pipelining, _SCHEDULES[pp_cfg.schedule])
     target = stages if pp_cfg.schedule == "interleaved_1f1b" else stages[0]
     engine.schedule = cls(target, n_microbatches=layout.grad_accum, loss_fn=engine.scaled_loss)
